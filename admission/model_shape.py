@@ -1,0 +1,22 @@
+"""What admission needs to know about a model: its shape and the bytes of its weights."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    architecture: str  # "llama" | "qwen3"
+    layers: int
+    hidden_size: int
+    intermediate_size: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    weight_bytes: int  # as stored on disk (quantized where the file is)
+    dense_weight_bytes: int  # after dequantization to the compute dtype
+    compute_dtype_bytes: int  # 2 for float16/bfloat16, 4 for float32
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.compute_dtype_bytes

@@ -1,0 +1,29 @@
+"""One base exception; subclasses say what kind of thing went wrong, messages say what to do."""
+
+
+class RingqError(Exception):
+    """Base for every error ringq raises on purpose."""
+
+
+class InvalidJobError(RingqError):
+    """A job spec or its input is unusable (bad file, bad number, prompt too long...)."""
+
+
+class UnknownModelError(RingqError):
+    """The model name or path does not resolve to a model ringq can load."""
+
+
+class AdmissionError(RingqError):
+    """The job cannot be placed on the live nodes (needs more memory than they have)."""
+
+
+class JobNotFoundError(RingqError):
+    """No job with that id exists in Redis."""
+
+
+class IllegalTransitionError(RingqError):
+    """A job state change that the lifecycle does not allow."""
+
+
+class RedisUnavailableError(RingqError):
+    """Redis cannot be reached or started."""

@@ -1,0 +1,34 @@
+"""All ringq settings in one object, read from RINGQ_* environment variables."""
+
+from functools import lru_cache
+from pathlib import Path
+
+import platformdirs
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RINGQ_", frozen=True)
+
+    redis_url: str | None = Field(
+        default=None, description="Use this Redis instead of starting the embedded one."
+    )
+    home: Path = Field(
+        default_factory=lambda: Path(platformdirs.user_data_dir("ringq")),
+        description="Data dir for the embedded Redis, logs and rank scratch files.",
+    )
+    blas: str = Field(default="auto", description="'auto' preloads OpenBLAS on CPU nodes; 'off'.")
+    default_model: str = "smollm2"
+    prefill_chunk_tokens: int = Field(default=512, gt=0)
+    node_heartbeat_s: float = Field(default=2.0, gt=0)
+    node_ttl_s: float = Field(default=10.0, gt=0)
+    rank_port_base: int = Field(default=29500, gt=1023, lt=65000)
+    rank_port_span: int = Field(default=500, gt=0)
+    max_document_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    job_ttl_s: int = Field(default=7 * 24 * 3600, gt=0)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
