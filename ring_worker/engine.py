@@ -1,0 +1,133 @@
+"""Prefill and decode over a ring group (or one device when the group is None). No Redis here."""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from ring_worker.ring_attention import ChunkSplit, Ring, install_ring_attention
+
+ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    logits: mx.array  # (vocab,) float32 at the last prompt position, identical on every rank
+    cache: list[Any]  # mlx-lm KV caches holding the whole prompt (replicated on every rank)
+    prompt_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    tokens: list[int]
+    seconds: float
+
+
+class Engine:
+    """One model on one rank; `ring` is None for the single-device path (plain mlx-lm)."""
+
+    def __init__(self, model: nn.Module, group: Any = None):
+        self.model = model
+        self.ring = Ring(group) if group is not None and group.size() > 1 else None
+        if self.ring is not None:
+            install_ring_attention(model, self.ring)
+
+    @property
+    def rank(self) -> int:
+        return self.ring.rank if self.ring else 0
+
+    def prefill(
+        self, tokens: list[int], chunk_tokens: int, on_progress: ProgressFn | None = None
+    ) -> PrefillResult:
+        if not tokens:
+            raise ValueError("cannot prefill an empty prompt")
+        started = time.perf_counter()
+        cache = make_prompt_cache(self.model)
+        total = len(tokens)
+        hidden = None
+        for start in range(0, total, chunk_tokens):
+            chunk = tokens[start : start + chunk_tokens]
+            hidden = self._prefill_chunk(chunk, cache)
+            done = start + len(chunk)
+            if on_progress:
+                on_progress("prefill", done, total)
+        logits = self._share_last_logits(hidden)
+        return PrefillResult(logits, cache, total, time.perf_counter() - started)
+
+    def _prefill_chunk(self, chunk: list[int], cache: list[Any]) -> mx.array | None:
+        """Run one chunk; return the final hidden state if this rank holds the last token."""
+        ring = self.ring
+        if ring is None or len(chunk) < ring.size:
+            # Too short to split: every rank runs the whole chunk (identical results everywhere).
+            hidden = self.model.model(mx.array([chunk]), cache=cache)
+            mx.eval(hidden, [c.state for c in cache])
+            return hidden[:, -1:]
+        ring.split = ChunkSplit.even(len(chunk), ring.size)
+        try:
+            lo, hi = ring.split.bounds[ring.rank], ring.split.bounds[ring.rank + 1]
+            hidden = self.model.model(mx.array([chunk[lo:hi]]), cache=cache)
+            mx.eval(hidden, [c.state for c in cache])
+        finally:
+            ring.split = None
+        return hidden[:, -1:] if ring.rank == ring.size - 1 else None
+
+    def _share_last_logits(self, hidden: mx.array | None) -> mx.array:
+        """Logits of the last prompt position only, broadcast from the rank that holds it."""
+        logits = None if hidden is None else logits_from_hidden(self.model, hidden)[0, -1]
+        if self.ring is None:
+            assert logits is not None
+            return logits.astype(mx.float32)
+        if logits is None:
+            logits = mx.zeros((self.model.args.vocab_size,), dtype=mx.float32)
+        elif self.ring.rank != self.ring.size - 1:
+            logits = mx.zeros_like(logits)  # replicated last chunk: one owner contributes
+        shared = mx.distributed.all_sum(logits.astype(mx.float32), group=self.ring.group)
+        mx.eval(shared)
+        return shared
+
+    def decode(
+        self,
+        prefill: PrefillResult,
+        max_tokens: int,
+        *,
+        temperature: float = 0.0,
+        stop_ids: frozenset[int] = frozenset(),
+        seed: int = 0,
+        on_progress: ProgressFn | None = None,
+    ) -> DecodeResult:
+        """Replicated decode: every rank steps the full model; rank 0's token is broadcast."""
+        started = time.perf_counter()
+        mx.random.seed(seed)
+        sampler = make_sampler(temp=temperature)
+        logits, tokens = prefill.logits, []
+        while len(tokens) < max_tokens:
+            token = self._agree(sampler(logits[None]))
+            tokens.append(token)
+            if on_progress:
+                on_progress("decode", len(tokens), max_tokens)
+            if token in stop_ids or len(tokens) == max_tokens:
+                break
+            out = self.model(mx.array([[token]]), cache=prefill.cache)
+            logits = out[0, -1].astype(mx.float32)
+        return DecodeResult(tokens, time.perf_counter() - started)
+
+    def _agree(self, sampled: mx.array) -> int:
+        if self.ring is None:
+            return int(sampled.item())
+        mine = (
+            sampled.astype(mx.int32) if self.ring.rank == 0 else mx.zeros(sampled.shape, mx.int32)
+        )
+        return int(mx.distributed.all_sum(mine, group=self.ring.group).item())
+
+
+def logits_from_hidden(model: nn.Module, hidden: mx.array) -> mx.array:
+    """The LM head of mlx-lm's Llama / Qwen3 applied to already-normalised hidden states."""
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear(hidden)
+    return model.lm_head(hidden)

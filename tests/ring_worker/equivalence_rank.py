@@ -1,0 +1,33 @@
+"""One rank of the ring-vs-single equivalence test (run as a fresh process by the test)."""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+from ring_worker.engine import Engine
+from ring_worker.group import join_group
+from tests.ring_worker.tiny import load_tiny
+
+
+def main() -> None:
+    model_dir, rank, addresses, lengths, chunk, out_dir = sys.argv[1:7]
+    group = join_group(json.loads(addresses), int(rank), Path(out_dir))
+    engine = Engine(load_tiny(Path(model_dir)), group)
+    results = {}
+    for length in json.loads(lengths):
+        tokens = prompt_tokens(length)
+        prefill = engine.prefill(tokens, int(chunk))
+        decoded = engine.decode(prefill, 32)
+        results[str(length)] = {"tokens": decoded.tokens}
+        mx.save(str(Path(out_dir) / f"logits-{length}-rank{rank}.npy"), prefill.logits)
+    (Path(out_dir) / f"tokens-rank{rank}.json").write_text(json.dumps(results))
+
+
+def prompt_tokens(length: int) -> list[int]:
+    return mx.random.randint(0, 1000, (length,), key=mx.random.key(length)).tolist()
+
+
+if __name__ == "__main__":
+    main()
