@@ -21,6 +21,9 @@ class Settings(BaseSettings):
     blas: str = Field(default="auto", description="'auto' preloads OpenBLAS on CPU nodes; 'off'.")
     default_model: str = "smollm2"
     prefill_chunk_tokens: int = Field(default=512, gt=0)
+    ring_min_tokens: int = Field(
+        default=1024, gt=0, description="Automatic placement runs shorter prompts on one node."
+    )
     node_heartbeat_s: float = Field(default=2.0, gt=0)
     node_ttl_s: float = Field(default=10.0, gt=0)
     rank_port_base: int = Field(default=29500, gt=1023, lt=65000)

@@ -125,6 +125,14 @@ class Engine:
         )
         return int(mx.distributed.all_sum(mine, group=self.ring.group).item())
 
+    def gather_ints(self, value: int) -> list[int]:
+        """One integer from every rank, in rank order (e.g. peak memory)."""
+        if self.ring is None:
+            return [value]
+        mine = mx.zeros((self.ring.size,), dtype=mx.int64)
+        mine[self.ring.rank] = value
+        return [int(v) for v in mx.distributed.all_sum(mine, group=self.ring.group).tolist()]
+
 
 def logits_from_hidden(model: nn.Module, hidden: mx.array) -> mx.array:
     """The LM head of mlx-lm's Llama / Qwen3 applied to already-normalised hidden states."""

@@ -1,0 +1,99 @@
+"""`ringq run`: the same engine on local rank processes, no Redis."""
+
+import threading
+
+import click
+from rich.console import Console
+
+from cli.common import echo_json
+from cli.options import build_spec, job_options
+from cli.render import live_progress, print_result
+from jobs.dispatcher import tokenize_and_check
+from jobs.errors import RingqError
+from jobs.lifecycle import JobState
+from jobs.schemas import Progress
+from jobs.settings import get_settings
+from jobs.submit import new_job_id
+from ring_worker.local_group import LocalRunError, run_local
+
+
+@click.command()
+@click.argument("kind", type=click.Choice(["prefill", "generate"]))
+@click.argument("file")
+@job_options
+@click.option(
+    "--sharding", type=click.Choice(["ring", "single"]), default="ring", show_default=True
+)
+@click.option("--ring-size", type=click.IntRange(1, 16), default=2, show_default=True)
+@click.option(
+    "--chunk-tokens",
+    type=click.IntRange(1),
+    default=None,
+    help="Prefill chunk (default RINGQ_PREFILL_CHUNK_TOKENS).",
+)
+def run(
+    kind, file, model, prompt, max_tokens, temperature, as_json, sharding, ring_size, chunk_tokens
+):
+    """Run a job on this machine with local rank processes (no Redis): quick use and benchmarks."""
+    settings = get_settings()
+    size = 1 if sharding == "single" else ring_size
+    spec = build_spec(
+        kind,
+        file,
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        ring_size=size,
+        sharding=sharding,
+    )
+    tokens, _ = tokenize_and_check(spec)
+    job_id = new_job_id()
+    console = Console(stderr=True)
+    outcome = run_with_progress(
+        lambda on_progress: run_local(
+            job_id,
+            spec,
+            tokens,
+            size,
+            chunk_tokens or settings.prefill_chunk_tokens,
+            scratch_root=settings.home / "runs",
+            blas=settings.blas,
+            on_progress=on_progress,
+        ),
+        Progress(phase=JobState.LOADING, total=len(tokens)),
+        console if not as_json and console.is_terminal else None,
+    )
+    if isinstance(outcome, LocalRunError):
+        raise RingqError(str(outcome))
+    payload = {
+        "id": job_id,
+        "state": "finished",
+        "error": None,
+        "strategy": sharding,
+        "ring_size": size,
+        **outcome.model_dump(mode="json"),
+    }
+    if as_json:
+        echo_json(payload)
+    else:
+        print_result(Console(), payload)
+
+
+def run_with_progress(work, first: Progress, console: Console | None):
+    """Run work(on_progress) in a thread while the main thread draws its progress (if a console)."""
+    latest = [first]
+    outcome: list = []
+
+    def target() -> None:
+        try:
+            outcome.append(work(lambda p: latest.__setitem__(0, p)))
+        except LocalRunError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    if console is not None:
+        live_progress(lambda: (latest[0], not thread.is_alive()), console)
+    thread.join()
+    return outcome[0]

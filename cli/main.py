@@ -1,0 +1,124 @@
+"""`ringq`: submit long-document prefill / generate jobs, watch them, read results."""
+
+import sys
+
+import click
+from pydantic import ValidationError
+from rich.console import Console
+
+from cli.common import echo_json, redis_connection
+from cli.local_run import run
+from cli.options import build_spec, job_options
+from cli.render import describe, nodes_table, print_result, result_json, status_json, watch
+from cli.services import demo, dispatcher, node, up
+from jobs.errors import RingqError
+from jobs.schemas import JobKind
+from jobs.store import JobStore
+from jobs.submit import submit_job
+
+console = Console()
+
+
+class RingqGroup(click.Group):
+    """Errors a user can act on become one line on stderr and exit code 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except RingqError as exc:
+            raise click.ClickException(str(exc)) from None
+        except ValidationError as exc:
+            raise click.ClickException(validation_message(exc)) from None
+
+
+def validation_message(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"]) or "input"
+        parts.append(f"{where}: {error['msg']}")
+    return "invalid job: " + "; ".join(parts)
+
+
+@click.group(cls=RingqGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """ringq: batch long-context LLM prefill on MLX, over Redis/RQ and ring groups of nodes.
+
+    Start everything locally with `ringq up` (or try `ringq demo`), then `ringq submit`.
+    """
+
+
+@cli.command()
+@click.argument("kind", type=click.Choice([k.value for k in JobKind]))
+@click.argument("file")
+@job_options
+@click.option("--ring-size", default="auto", show_default=True, help="Ranks (nodes) or 'auto'.")
+@click.option("--id", "job_id", default=None, help="Job id to use (default: random).")
+def submit(kind, file, model, prompt, max_tokens, temperature, as_json, ring_size, job_id):
+    """Enqueue a prefill or generate job for FILE ('-' = stdin); prints the job id."""
+    spec = build_spec(
+        kind,
+        file,
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        ring_size=ring_size,
+        custom_id=job_id,
+    )
+    record = submit_job(redis_connection(), spec, job_id)
+    if as_json:
+        echo_json(status_json(record))
+    else:
+        click.echo(record.id)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--watch", "follow", is_flag=True, help="Live view until the job ends.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def status(job_id, follow, as_json):
+    """Phase, progress and placement of a job."""
+    store = JobStore(redis_connection())
+    record = watch(store, job_id, Console(stderr=True)) if follow else store.get(job_id)
+    if as_json:
+        echo_json(status_json(record))
+    else:
+        click.echo(describe(record))
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def result(job_id, as_json):
+    """The answer and stats of a finished job (exit code 1 if it failed)."""
+    record = JobStore(redis_connection()).get(job_id)
+    payload = result_json(record)
+    if as_json:
+        echo_json(payload)
+    else:
+        print_result(console, payload)
+    if record.error:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def nodes(as_json):
+    """Live node agents and their memory."""
+    live = JobStore(redis_connection()).live_nodes()
+    if as_json:
+        echo_json({"nodes": [n.model_dump(mode="json") for n in live]})
+    else:
+        console.print(nodes_table(live))
+
+
+for _command in (run, up, demo, node, dispatcher):
+    cli.add_command(_command)
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Job options shared by `submit` and `run`, and turning them into a JobSpec."""
+
+import click
+
+from cli.common import read_document
+from jobs.schemas import JobKind, JobSpec
+from jobs.settings import get_settings
+
+
+def job_options(func):
+    """Options shared by `submit` and `run`."""
+    options = [
+        click.option(
+            "--model", default=None, help="Model name (smollm2), GGUF file or HF/MLX dir."
+        ),
+        click.option("--prompt", default=None, help="Question or instruction (generate jobs)."),
+        click.option(
+            "--max-tokens", type=int, default=256, show_default=True, help="Tokens to generate."
+        ),
+        click.option(
+            "--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."
+        ),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def build_spec(
+    kind: str,
+    file: str,
+    *,
+    model,
+    prompt,
+    max_tokens,
+    temperature,
+    ring_size,
+    sharding="auto",
+    custom_id=None,
+) -> JobSpec:
+    settings = get_settings()
+    text, name = read_document(file, settings.max_document_bytes)
+    return JobSpec(
+        kind=JobKind(kind),
+        document=text,
+        document_name=name,
+        model=model or settings.default_model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        ring_size=parse_ring_size(ring_size),
+        sharding=sharding,
+        custom_id=custom_id,
+    )
+
+
+def parse_ring_size(value: str | int) -> int | str:
+    if value == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not a number or 'auto'", param_hint="--ring-size"
+        ) from None

@@ -1,0 +1,137 @@
+"""How jobs look in a terminal and in --json output."""
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from jobs.schemas import JobRecord, NodeInfo
+from jobs.schemas import Progress as JobProgress
+from jobs.store import JobStore
+
+WATCH_INTERVAL_S = 0.25
+
+
+def status_json(record: JobRecord) -> dict[str, Any]:
+    placement = record.placement
+    return {
+        "id": record.id,
+        "kind": record.kind.value,
+        "state": record.state.value,
+        "progress": {
+            "phase": record.progress.phase.value,
+            "processed": record.progress.processed,
+            "total": record.progress.total,
+            "prompt_tps": record.progress.prompt_tps,
+        },
+        "placement": {
+            "strategy": placement.strategy if placement else None,
+            "ring_size": placement.ring_size if placement else None,
+            "nodes": placement.nodes if placement else [],
+        },
+        "model": record.spec.model,
+        "custom_id": record.spec.custom_id,
+        "error": record.error,
+        "created_at": record.created_at,
+        "updated_at": record.updated_at,
+    }
+
+
+def result_json(record: JobRecord) -> dict[str, Any]:
+    result = record.result
+    fields = result.model_dump(mode="json") if result else {}
+    return {
+        "id": record.id,
+        "state": record.state.value,
+        "error": record.error,
+        "text": None,
+        **fields,
+    }
+
+
+def print_result(console: Console, payload: dict[str, Any]) -> None:
+    if payload.get("text"):
+        console.print(payload["text"].strip(), markup=False, highlight=False)
+        console.print()
+    if payload.get("error"):
+        console.print(f"[red]failed:[/red] {payload['error']}", highlight=False)
+        return
+    if payload.get("prompt_tokens") is None:
+        console.print(f"state: {payload['state']} (no result yet)")
+        return
+    peaks = ", ".join(f"{p / 1024**2:.0f} MiB" for p in payload["peak_memory_bytes"])
+    console.print(
+        f"[dim]prompt {payload['prompt_tokens']} tok at {payload['prompt_tps']:.1f} tok/s · "
+        f"generated {payload['generated_tokens']} tok at {payload['generation_tps']:.1f} tok/s · "
+        f"load {payload['load_s']:.1f}s prefill {payload['prefill_s']:.1f}s "
+        f"decode {payload['decode_s']:.1f}s · peak memory per rank: {peaks}[/dim]"
+    )
+
+
+def describe(record: JobRecord) -> str:
+    placement = record.placement
+    where = (
+        f"{placement.strategy}-{placement.ring_size} on {','.join(placement.nodes)}"
+        if placement
+        else "not placed"
+    )
+    line = f"{record.id}  {record.kind.value}  {record.state.value}  {where}"
+    if record.error:
+        line += f"\n  error: {record.error}"
+    return line
+
+
+def watch(store: JobStore, job_id: str, console: Console) -> JobRecord:
+    """Live view of a job in Redis until it reaches a final state."""
+    latest: list[JobRecord] = []
+
+    def poll() -> tuple[JobProgress, bool]:
+        latest[:] = [store.get(job_id)]
+        return latest[0].progress, latest[0].state.is_final
+
+    live_progress(poll, console)
+    return latest[0]
+
+
+def live_progress(poll: Callable[[], tuple[JobProgress, bool]], console: Console) -> None:
+    """A bar (phase, tokens done/total, tok/s, ETA) refreshed until poll() says done."""
+    columns = (
+        TextColumn("{task.description:<9}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tok"),
+        TextColumn("{task.fields[rate]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("queued", total=1, rate="")
+        while True:
+            progress, done = poll()
+            rate = f"{progress.prompt_tps:.0f} tok/s" if progress.prompt_tps else ""
+            bar.update(
+                task,
+                description=progress.phase.value,
+                completed=progress.processed,
+                total=max(progress.total, 1),
+                rate=rate,
+            )
+            if done:
+                return
+            time.sleep(WATCH_INTERVAL_S)
+
+
+def nodes_table(nodes: list[NodeInfo]) -> Table:
+    table = Table("node", "backend", "address", "memory", "available", "heartbeat")
+    now = time.time()
+    for n in nodes:
+        table.add_row(
+            n.name,
+            n.backend,
+            n.address,
+            f"{n.memory_bytes / 1024**3:.1f} GiB",
+            f"{n.available_bytes / 1024**3:.1f} GiB",
+            f"{now - n.heartbeat_at:.1f}s ago",
+        )
+    return table

@@ -1,0 +1,217 @@
+"""Long-running services: `ringq up`, `ringq demo`, `ringq node`, `ringq dispatcher`."""
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from importlib.resources import files
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rq import SimpleWorker
+from rq.serializers import JSONSerializer
+
+from cli.common import redis_connection, redis_url_for
+from cli.render import print_result, result_json, watch
+from jobs.errors import RingqError
+from jobs.redis_server import RedisHandle, connect, ensure_redis
+from jobs.schemas import JobKind, JobSpec
+from jobs.settings import Settings, get_settings
+from jobs.store import JobStore
+from jobs.submit import admit_queue, submit_job
+from ring_worker.node_agent import NodeAgent, log_tail
+
+console = Console(stderr=True)
+READY_TIMEOUT_S = 60.0
+
+
+class LocalCluster:
+    """Redis (embedded unless RINGQ_REDIS_URL) + a dispatcher + N node agents, as child processes."""
+
+    def __init__(self, settings: Settings, node_count: int, name_prefix: str = "node"):
+        self.settings = settings
+        self.node_names = [f"{name_prefix}-{i}" for i in range(node_count)]
+        self.redis: RedisHandle | None = None
+        self.children: list[tuple[str, subprocess.Popen, Path]] = []
+
+    def __enter__(self) -> "LocalCluster":
+        self.redis = ensure_redis(self.settings)
+        env = {
+            **os.environ,
+            "RINGQ_REDIS_URL": self.redis.url,
+            "RINGQ_HOME": str(self.settings.home),
+        }
+        logs = self.settings.home / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        try:
+            self._spawn("dispatcher", ["dispatcher"], env, logs)
+            for name in self.node_names:
+                self._spawn(name, ["node", "--name", name], env, logs)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _spawn(self, label: str, args: list[str], env: dict[str, str], logs: Path) -> None:
+        log_path = logs / f"{label}.log"
+        with open(log_path, "ab") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "cli.main", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.children.append((label, process, log_path))
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Until every node agent has registered; a child that dies is reported with its log."""
+        store = JobStore(connect(self.url))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_children()
+            live = {n.name for n in store.live_nodes()}
+            if set(self.node_names) <= live:
+                return
+            if time.monotonic() > deadline:
+                raise RingqError(f"nodes not ready after {timeout_s:.0f} s: {sorted(live)}")
+            time.sleep(0.2)
+
+    def check_children(self) -> None:
+        for label, process, log_path in self.children:
+            if process.poll() is not None:
+                raise RingqError(
+                    f"{label} exited with code {process.returncode}: {log_tail(log_path)}"
+                )
+
+    @property
+    def url(self) -> str:
+        assert self.redis is not None
+        return self.redis.url
+
+    def __exit__(self, *exc_info: object) -> None:
+        for _, process, _ in self.children:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for _, process, _ in self.children:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self.redis is not None:
+            self.redis.stop()  # only if we started it
+
+
+@click.command()
+@click.option(
+    "--nodes",
+    "node_count",
+    type=click.IntRange(1, 16),
+    default=2,
+    show_default=True,
+    help="Local node agents to start.",
+)
+def up(node_count: int) -> None:
+    """Start Redis (unless RINGQ_REDIS_URL), the dispatcher and local node agents; Ctrl-C stops."""
+    settings = get_settings()
+    with LocalCluster(settings, node_count) as cluster:
+        cluster.wait_ready()
+        console.print(
+            f"ringq up: redis {cluster.url}, dispatcher, {node_count} node(s): "
+            f"{', '.join(cluster.node_names)}. Logs in {settings.home / 'logs'}. Ctrl-C stops."
+        )
+        console.print(f"[dim]other shells: export RINGQ_REDIS_URL={cluster.url}[/dim]")
+        try:
+            while True:
+                cluster.check_children()
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            console.print("stopping ...")
+
+
+@click.command()
+@click.option("--model", default=None, help="Model (default: smollm2).")
+@click.option("--ring-size", type=click.IntRange(1, 8), default=2, show_default=True)
+@click.option("--max-tokens", type=int, default=96, show_default=True)
+def demo(model: str | None, ring_size: int, max_tokens: int) -> None:
+    """Everything local: a bundled document and a question through a ring of local nodes."""
+    settings = get_settings()
+    document = files("cli").joinpath("demo/document.md").read_text()
+    question = files("cli").joinpath("demo/question.txt").read_text().strip()
+    started = time.perf_counter()
+    with LocalCluster(settings, ring_size, name_prefix="demo") as cluster:
+        cluster.wait_ready()
+        console.print(f"[dim]cluster ready in {time.perf_counter() - started:.1f}s[/dim]")
+        spec = JobSpec(
+            kind=JobKind.GENERATE,
+            document=document,
+            document_name="demo/document.md",
+            model=model or settings.default_model,
+            prompt=question,
+            max_tokens=max_tokens,
+            ring_size=ring_size,
+        )
+        conn = connect(cluster.url)
+        record = submit_job(conn, spec)
+        console.print(f"job {record.id}: {question}")
+        record = watch(JobStore(conn), record.id, console)
+        out = Console()
+        out.print(f"\n[bold]Q:[/bold] {question}\n[bold]A:[/bold] ", end="")
+        print_result(out, result_json(record))
+        if record.placement:
+            out.print(
+                f"[dim]{record.placement.strategy}-{record.placement.ring_size} on "
+                f"{', '.join(record.placement.nodes)}; total {time.perf_counter() - started:.1f}s[/dim]"
+            )
+    if record.error:
+        sys.exit(1)
+
+
+@click.command()
+@click.option("--name", default=None, help="Node name (default: the host name).")
+@click.option(
+    "--address",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address this node's ranks listen on (reachable by the other nodes).",
+)
+@click.option("--memory-limit", type=float, default=None, help="GiB ringq may use on this node.")
+def node(name: str | None, address: str, memory_limit: float | None) -> None:
+    """Run a node agent: register, heartbeat, start rank processes when asked."""
+    settings = get_settings()
+    setup_logging()
+    url = redis_url_for(settings)
+    agent = NodeAgent(
+        name or socket.gethostname(),
+        connect(url),
+        url,
+        settings,
+        address=address,
+        memory_limit_bytes=int(memory_limit * 1024**3) if memory_limit else None,
+    )
+    agent.run()
+
+
+@click.command()
+def dispatcher() -> None:
+    """Run the dispatcher: admit, place and hand over submitted jobs."""
+    setup_logging()
+    conn = redis_connection()
+    worker = SimpleWorker(
+        [admit_queue(conn)],
+        connection=conn,
+        serializer=JSONSerializer,
+        name=f"ringq-dispatcher-{socket.gethostname()}-{os.getpid()}",
+    )
+    worker.work(logging_level="WARNING")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )

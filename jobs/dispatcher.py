@@ -1,0 +1,122 @@
+"""The dispatcher: tokenise, estimate, place, ask node agents to start a ring group, hand over.
+
+`admit_job` runs inside the dispatcher's RQ worker (no fork) for every submitted job."""
+
+import logging
+import uuid
+
+import redis
+from rq import get_current_job
+
+from admission.model_shape import ModelShape
+from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
+from jobs import keys
+from jobs.errors import InvalidJobError, RingqError
+from jobs.lifecycle import JobState
+from jobs.model_catalog import load_tokenizer, read_model_shape, resolve_model
+from jobs.schemas import GroupSpec, JobKind, JobSpec, NodeInfo, Placement, Progress
+from jobs.settings import Settings, get_settings
+from jobs.store import JobStore
+from jobs.submit import node_queue
+
+log = logging.getLogger(__name__)
+
+
+def admit_job(job_id: str) -> str:
+    """RQ entry point. Every outcome is written on the job record; nothing is raised to RQ."""
+    conn = get_current_job().connection
+    store = JobStore(conn)
+    try:
+        return admit(conn, store, job_id, get_settings())
+    except RingqError as exc:
+        log.info("job %s rejected: %s", job_id, exc)
+        store.fail(job_id, str(exc))
+        return "failed"
+    except Exception as exc:  # the dispatcher must outlive any one job
+        log.exception("job %s: dispatcher error", job_id)
+        store.fail(job_id, f"dispatcher error: {type(exc).__name__}: {exc}")
+        return "failed"
+
+
+def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -> str:
+    record = store.get(job_id)
+    if record.state != JobState.QUEUED:
+        return f"skipped ({record.state})"
+    spec = record.spec
+    tokens, shape = tokenize_and_check(spec)
+    nodes = store.live_nodes()
+    request = PlacementRequest(
+        prompt_tokens=len(tokens),
+        max_new_tokens=new_tokens(spec),
+        chunk_tokens=settings.prefill_chunk_tokens,
+        ring_size=None if spec.ring_size == "auto" else spec.ring_size,
+        sharding=spec.sharding.value,
+        ring_min_tokens=settings.ring_min_tokens,
+    )
+    try:
+        plan = plan_placement(shape, request, [capacity(n) for n in nodes])
+    except CannotPlace as exc:
+        raise InvalidJobError(str(exc)) from None
+    by_name = {n.name: n for n in nodes}
+    group = GroupSpec(
+        group_id=uuid.uuid4().hex[:12],
+        job_id=job_id,
+        model=spec.model,
+        addresses=[allocate_address(conn, by_name[name], settings) for name in plan.nodes],
+        nodes=list(plan.nodes),
+        chunk_tokens=settings.prefill_chunk_tokens,
+    )
+    store.set_tokens(job_id, tokens)
+    placement = Placement(
+        strategy="single" if len(plan.nodes) == 1 else "ring",
+        ring_size=len(plan.nodes),
+        nodes=list(plan.nodes),
+        group_id=group.group_id,
+        bytes_per_node=plan.bytes_per_node,
+    )
+    progress = Progress(phase=JobState.ADMITTED, total=len(tokens))
+    store.transition(job_id, JobState.ADMITTED, placement=placement, progress=progress)
+    for rank, name in enumerate(group.nodes):
+        node_queue(conn, name).enqueue(
+            "ring_worker.node_agent.start_rank",
+            group.model_dump(mode="json"),
+            rank,
+            job_timeout=60,
+            result_ttl=600,
+        )
+    log.info("job %s admitted: %s on %s", job_id, placement.strategy, placement.nodes)
+    return "admitted"
+
+
+def tokenize_and_check(spec: JobSpec) -> tuple[list[int], ModelShape]:
+    """The job's prompt tokens and its model's shape; InvalidJobError past the model's context."""
+    tokens = prompt_tokens(spec)
+    shape = read_model_shape(resolve_model(spec.model))
+    if len(tokens) + new_tokens(spec) > shape.context_length:
+        raise InvalidJobError(
+            f"prompt of {len(tokens)} tokens (+{new_tokens(spec)} to generate) exceeds "
+            f"{spec.model}'s context of {shape.context_length} tokens; shorten the document"
+        )
+    return tokens, shape
+
+
+def new_tokens(spec: JobSpec) -> int:
+    return spec.max_tokens if spec.kind == JobKind.GENERATE else 0
+
+
+def prompt_tokens(spec: JobSpec) -> list[int]:
+    tokenizer = load_tokenizer(resolve_model(spec.model))
+    if spec.kind == JobKind.PREFILL:
+        return tokenizer.encode(spec.document)
+    message = f"{spec.document.rstrip()}\n\n{spec.prompt_text()}"
+    return tokenizer.chat_tokens([{"role": "user", "content": message}])
+
+
+def capacity(node: NodeInfo) -> NodeCapacity:
+    return NodeCapacity(node.name, node.available_bytes, dense_weights=node.backend == "cpu")
+
+
+def allocate_address(conn: redis.Redis, node: NodeInfo, settings: Settings) -> str:
+    """A port for one rank on `node`: a counter per address walks the configured span."""
+    seq = int(conn.incr(keys.ports(node.address)))
+    return f"{node.address}:{settings.rank_port_base + seq % settings.rank_port_span}"

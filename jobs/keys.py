@@ -1,0 +1,31 @@
+"""Every Redis key and RQ queue name ringq uses, in one place."""
+
+PREFIX = "ringq"
+
+ADMIT_QUEUE = f"{PREFIX}:admit"  # RQ queue the dispatcher works on
+JOBS_INDEX = f"{PREFIX}:jobs"  # sorted set: job id -> created_at
+NODES_INDEX = f"{PREFIX}:nodes"  # set of node names ever registered
+
+
+def job(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}"  # hash: spec, state, progress, placement, result, error, ...
+
+
+def job_tokens(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:tokens"  # JSON list of prompt token ids
+
+
+def node(name: str) -> str:
+    return f"{PREFIX}:node:{name}"  # JSON NodeInfo, expires unless the agent heartbeats
+
+
+def node_queue(name: str) -> str:
+    return f"{PREFIX}:node:{name}:commands"  # RQ queue the node agent works on
+
+
+def ports(address: str) -> str:
+    return f"{PREFIX}:ports:{address}"  # counter for rank port allocation on one address
+
+
+def group_failed(group_id: str) -> str:
+    return f"{PREFIX}:group:{group_id}:failed"  # reason; agents kill the group's ranks when set

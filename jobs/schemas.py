@@ -1,0 +1,136 @@
+"""Pydantic messages that cross a process or live in Redis: job specs, progress, results, nodes,
+ring groups. JSON only: nothing in Redis is ever unpickled."""
+
+import re
+import time
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from jobs.lifecycle import JobState
+
+JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+DEFAULT_GENERATE_PROMPT = "Summarise the document above in a few sentences."
+
+
+class JobKind(StrEnum):
+    PREFILL = "prefill"
+    GENERATE = "generate"
+
+
+class Sharding(StrEnum):
+    AUTO = "auto"
+    RING = "ring"
+    SINGLE = "single"
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class JobSpec(_Message):
+    """What a user asks for. Validated at submit, before anything is enqueued."""
+
+    kind: JobKind
+    document: Annotated[str, Field(min_length=1)]
+    document_name: str = "-"
+    model: Annotated[str, Field(min_length=1)] = "smollm2"
+    prompt: str | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=32768)] = 256
+    temperature: Annotated[float, Field(ge=0.0, le=5.0)] = 0.0
+    ring_size: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
+    sharding: Sharding = Sharding.AUTO
+    custom_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    @field_validator("document")
+    @classmethod
+    def _has_text(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("the document is empty (only whitespace)")
+        if "\x00" in value:
+            raise ValueError("the document contains NUL bytes: is it a binary file?")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobSpec":
+        if self.sharding == Sharding.SINGLE and self.ring_size not in ("auto", 1):
+            raise ValueError(f"sharding 'single' runs on one node, but ring_size={self.ring_size}")
+        return self
+
+    def prompt_text(self) -> str:
+        return self.prompt or DEFAULT_GENERATE_PROMPT
+
+
+class Progress(_Message):
+    phase: JobState
+    processed: int = 0
+    total: int = 0
+    prompt_tps: float = 0.0
+    updated_at: float = Field(default_factory=time.time)
+
+
+class Placement(_Message):
+    strategy: Literal["single", "ring"]
+    ring_size: int
+    nodes: list[str]
+    group_id: str
+    bytes_per_node: int
+
+
+class JobResult(_Message):
+    text: str | None = None
+    prompt_tokens: int
+    generated_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    load_s: float
+    prefill_s: float
+    decode_s: float
+    peak_memory_bytes: list[int]
+
+
+class JobRecord(_Message):
+    """Everything known about one job; `state` is the job's phase."""
+
+    id: str
+    kind: JobKind
+    state: JobState
+    spec: JobSpec
+    progress: Progress
+    placement: Placement | None = None
+    result: JobResult | None = None
+    error: str | None = None
+    created_at: float
+    updated_at: float
+
+
+class NodeInfo(_Message):
+    name: str
+    backend: Literal["cpu", "metal", "cuda"]
+    memory_bytes: int  # what ringq may use on this node
+    available_bytes: int  # free right now (min of the limit and what the OS reports)
+    address: str  # where this node's ranks listen
+    pid: int
+    started_at: float
+    heartbeat_at: float
+
+
+class GroupSpec(_Message):
+    """A ring group as the dispatcher plans it; each node agent starts one rank of it."""
+
+    group_id: str
+    job_id: str
+    model: str
+    addresses: list[str]  # "host:port" per rank
+    nodes: list[str]  # node name per rank
+    chunk_tokens: int
+
+
+def check_job_id(job_id: str) -> str:
+    if not JOB_ID_PATTERN.match(job_id):
+        raise ValueError(
+            f"invalid job id {job_id!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return job_id

@@ -1,0 +1,122 @@
+"""Job records in Redis: one hash per job, JSON fields, state changes checked and atomic."""
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from jobs import keys
+from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundError
+from jobs.lifecycle import JobState, can_transition
+from jobs.schemas import JobRecord, JobSpec, NodeInfo, Progress
+
+
+class JobStore:
+    def __init__(self, conn: redis.Redis, job_ttl_s: int = 7 * 24 * 3600):
+        self.conn = conn
+        self.job_ttl_s = job_ttl_s
+
+    def create(self, job_id: str, spec: JobSpec) -> JobRecord:
+        now = time.time()
+        record = JobRecord(
+            id=job_id,
+            kind=spec.kind,
+            state=JobState.QUEUED,
+            spec=spec,
+            progress=Progress(phase=JobState.QUEUED),
+            created_at=now,
+            updated_at=now,
+        )
+        if not self.conn.hsetnx(keys.job(job_id), "id", json.dumps(job_id)):
+            raise InvalidJobError(f"a job with id {job_id!r} already exists; choose another --id")
+        with self.conn.pipeline() as pipe:
+            pipe.hset(keys.job(job_id), mapping=_encode(record.model_dump(mode="json")))
+            pipe.expire(keys.job(job_id), self.job_ttl_s)
+            pipe.zadd(keys.JOBS_INDEX, {job_id: now})
+            pipe.execute()
+        return record
+
+    def get(self, job_id: str) -> JobRecord:
+        raw = self.conn.hgetall(keys.job(job_id))
+        if not raw:
+            raise JobNotFoundError(f"no job {job_id!r} (it never existed or its record expired)")
+        return JobRecord.model_validate(_decode(raw))
+
+    def transition(self, job_id: str, new: JobState, **fields: Any) -> JobRecord:
+        """Move a job to `new` if the lifecycle allows it, writing `fields` in the same step."""
+        key = keys.job(job_id)
+        with self.conn.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    raw_state = pipe.hget(key, "state")
+                    if raw_state is None:
+                        raise JobNotFoundError(f"no job {job_id!r}")
+                    old = JobState(json.loads(raw_state))
+                    if not can_transition(old, new):
+                        raise IllegalTransitionError(f"job {job_id}: {old} -> {new} is not allowed")
+                    pipe.multi()
+                    pipe.hset(key, mapping=_encode({"state": new, "updated_at": time.time()}))
+                    if fields:
+                        pipe.hset(key, mapping=_encode(_dump(fields)))
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
+        return self.get(job_id)
+
+    def fail(self, job_id: str, reason: str) -> bool:
+        """Fail a job unless it is already final. Returns whether this call failed it."""
+        try:
+            record = self.get(job_id)
+            self.transition(
+                job_id, JobState.FAILED, error=reason, progress=_phase(record, JobState.FAILED)
+            )
+            return True
+        except (IllegalTransitionError, JobNotFoundError):
+            return False
+
+    def set_progress(self, job_id: str, progress: Progress) -> None:
+        self.conn.hset(keys.job(job_id), "progress", progress.model_dump_json())
+
+    def set_tokens(self, job_id: str, tokens: list[int]) -> None:
+        self.conn.set(keys.job_tokens(job_id), json.dumps(tokens), ex=self.job_ttl_s)
+
+    def get_tokens(self, job_id: str) -> list[int]:
+        raw = self.conn.get(keys.job_tokens(job_id))
+        if raw is None:
+            raise JobNotFoundError(f"job {job_id!r} has no tokens (not admitted yet?)")
+        return json.loads(raw)
+
+    def live_nodes(self) -> list[NodeInfo]:
+        names = sorted(n.decode() for n in self.conn.smembers(keys.NODES_INDEX))
+        raw = self.conn.mget([keys.node(n) for n in names]) if names else []
+        return [NodeInfo.model_validate_json(r) for r in raw if r is not None]
+
+    def put_node(self, node: NodeInfo, ttl_s: float) -> None:
+        with self.conn.pipeline() as pipe:
+            pipe.sadd(keys.NODES_INDEX, node.name)
+            pipe.set(keys.node(node.name), node.model_dump_json(), px=int(ttl_s * 1000))
+            pipe.execute()
+
+    def remove_node(self, name: str) -> None:
+        self.conn.delete(keys.node(name))
+
+
+def _phase(record: JobRecord, phase: JobState) -> Progress:
+    return record.progress.model_copy(update={"phase": phase, "updated_at": time.time()})
+
+
+def _dump(fields: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: v.model_dump(mode="json") if hasattr(v, "model_dump") else v for k, v in fields.items()
+    }
+
+
+def _encode(fields: dict[str, Any]) -> dict[str, str]:
+    return {k: json.dumps(v) for k, v in fields.items()}
+
+
+def _decode(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    return {k.decode(): json.loads(v) for k, v in raw.items()}

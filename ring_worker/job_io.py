@@ -1,0 +1,84 @@
+"""Where a rank reads its job and reports back: Redis (the service) or files (`ringq run`)."""
+
+import json
+import time
+from pathlib import Path
+from typing import Protocol
+
+from jobs.lifecycle import JobState
+from jobs.schemas import JobResult, JobSpec, Progress
+from jobs.store import JobStore
+
+
+class JobIO(Protocol):
+    job_id: str
+
+    def spec(self) -> JobSpec: ...
+    def tokens(self) -> list[int]: ...
+    def enter(self, phase: JobState, total: int) -> None: ...
+    def progress(self, progress: Progress) -> None: ...
+    def finish(self, result: JobResult) -> None: ...
+    def fail(self, reason: str) -> None: ...
+
+
+class RedisJobIO:
+    def __init__(self, store: JobStore, job_id: str):
+        self.store = store
+        self.job_id = job_id
+
+    def spec(self) -> JobSpec:
+        return self.store.get(self.job_id).spec
+
+    def tokens(self) -> list[int]:
+        return self.store.get_tokens(self.job_id)
+
+    def enter(self, phase: JobState, total: int) -> None:
+        processed = total if phase == JobState.DECODE else 0
+        progress = Progress(phase=phase, processed=processed, total=total)
+        self.store.transition(self.job_id, phase, progress=progress)
+
+    def progress(self, progress: Progress) -> None:
+        self.store.set_progress(self.job_id, progress)
+
+    def finish(self, result: JobResult) -> None:
+        record = self.store.get(self.job_id)
+        done = record.progress.model_copy(
+            update={"phase": JobState.FINISHED, "updated_at": time.time()}
+        )
+        self.store.transition(self.job_id, JobState.FINISHED, result=result, progress=done)
+
+    def fail(self, reason: str) -> None:
+        self.store.fail(self.job_id, reason)
+
+
+class FileJobIO:
+    """Job from a JSON file {id, spec, tokens}; events appended as JSON lines for the parent."""
+
+    def __init__(self, job_path: Path, events_path: Path):
+        job = json.loads(job_path.read_text())
+        self.job_id = job["id"]
+        self._spec = JobSpec.model_validate(job["spec"])
+        self._tokens = job["tokens"]
+        self.events_path = events_path
+
+    def spec(self) -> JobSpec:
+        return self._spec
+
+    def tokens(self) -> list[int]:
+        return self._tokens
+
+    def enter(self, phase: JobState, total: int) -> None:
+        self._write("progress", Progress(phase=phase, total=total).model_dump(mode="json"))
+
+    def progress(self, progress: Progress) -> None:
+        self._write("progress", progress.model_dump(mode="json"))
+
+    def finish(self, result: JobResult) -> None:
+        self._write("result", result.model_dump(mode="json"))
+
+    def fail(self, reason: str) -> None:
+        self._write("error", reason)
+
+    def _write(self, event: str, data: object) -> None:
+        with self.events_path.open("a") as out:
+            out.write(json.dumps({"event": event, "data": data}) + "\n")

@@ -1,0 +1,101 @@
+"""Run one job on a group of rank processes on this machine, without Redis (`ringq run`, bench)."""
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from jobs.schemas import GroupSpec, JobResult, JobSpec, Progress
+from ring_worker.group import free_loopback_ports
+from ring_worker.processes import rank_environment, spawn_rank, terminate_all
+
+POLL_INTERVAL_S = 0.1
+
+
+class LocalRunError(RuntimeError):
+    pass
+
+
+def run_local(
+    job_id: str,
+    spec: JobSpec,
+    tokens: list[int],
+    ring_size: int,
+    chunk_tokens: int,
+    *,
+    scratch_root: Path,
+    blas: str = "auto",
+    on_progress: Callable[[Progress], None] | None = None,
+    timeout_s: float | None = None,
+) -> JobResult:
+    """Spawn `ring_size` ranks on loopback, feed them the job through files, follow their
+    events. Raises LocalRunError with the ranks' own reason when the job fails."""
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"run-{job_id}-", dir=scratch_root))
+    group = GroupSpec(
+        group_id=scratch.name,
+        job_id=job_id,
+        model=spec.model,
+        addresses=[f"127.0.0.1:{p}" for p in free_loopback_ports(ring_size)],
+        nodes=["local"] * ring_size,
+        chunk_tokens=chunk_tokens,
+    )
+    (scratch / "group.json").write_text(group.model_dump_json())
+    job_file = scratch / "job.json"
+    job_file.write_text(
+        json.dumps({"id": job_id, "spec": spec.model_dump(mode="json"), "tokens": tokens})
+    )
+    events = scratch / "events.jsonl"
+    events.touch()
+    threads = max(1, (os.cpu_count() or 1) // ring_size)
+    procs = [
+        spawn_rank(
+            [
+                "-m",
+                "ring_worker.rank_main",
+                "--group",
+                str(scratch / "group.json"),
+                "--rank",
+                str(rank),
+                "--job-file",
+                str(job_file),
+                "--events-file",
+                str(events),
+            ],
+            rank_environment(blas, threads=threads),
+            scratch / f"rank{rank}.log",
+        )
+        for rank in range(ring_size)
+    ]
+    try:
+        return follow(procs, events, scratch, on_progress, timeout_s)
+    finally:
+        terminate_all(procs)
+
+
+def follow(procs, events: Path, scratch: Path, on_progress, timeout_s) -> JobResult:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    offset = 0
+    while True:
+        with events.open() as stream:
+            stream.seek(offset)
+            lines = stream.readlines()
+            offset = stream.tell()
+        for line in lines:
+            event = json.loads(line)
+            if event["event"] == "progress" and on_progress:
+                on_progress(Progress.model_validate(event["data"]))
+            elif event["event"] == "error":
+                raise LocalRunError(event["data"])
+            elif event["event"] == "result":
+                return JobResult.model_validate(event["data"])
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes) or all(c is not None for c in codes):
+            time.sleep(POLL_INTERVAL_S)  # a failing rank writes its reason just before it exits
+            if events.stat().st_size == offset:
+                raise LocalRunError(f"ranks exited with codes {codes}; logs in {scratch}")
+        if deadline and time.monotonic() > deadline:
+            raise LocalRunError(f"timed out after {timeout_s} s; logs in {scratch}")
+        time.sleep(POLL_INTERVAL_S)

@@ -1,0 +1,198 @@
+"""The node agent: one per machine. Registers the node with a heartbeat, works its RQ command
+queue (no fork) and starts rank processes, fresh interpreters, when the dispatcher asks. It never
+imports MLX. When a rank exits non-zero the agent fails the job and marks the group failed; agents
+kill their ranks of failed groups, so no process is left behind."""
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import redis
+from rq import SimpleWorker
+from rq.serializers import JSONSerializer
+
+from jobs import keys
+from jobs.schemas import GroupSpec, NodeInfo
+from jobs.settings import Settings
+from jobs.store import JobStore
+from jobs.submit import node_queue
+from ring_worker.processes import rank_environment, spawn_rank, terminate_all
+
+log = logging.getLogger(__name__)
+MONITOR_INTERVAL_S = 0.2
+LOG_TAIL_LINES = 8
+
+
+@dataclass
+class RankProcess:
+    group: GroupSpec
+    rank: int
+    process: subprocess.Popen
+    log_path: Path
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        name: str,
+        conn: redis.Redis,
+        redis_url: str,
+        settings: Settings,
+        *,
+        address: str = "127.0.0.1",
+        memory_limit_bytes: int | None = None,
+    ):
+        self.name = name
+        self.conn = conn
+        self.redis_url = redis_url
+        self.settings = settings
+        self.address = address
+        self.memory_limit_bytes = memory_limit_bytes
+        self.store = JobStore(conn, settings.job_ttl_s)
+        self.started_at = time.time()
+        self.ranks: list[RankProcess] = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.scratch = settings.home / "nodes" / name
+        self.scratch.mkdir(parents=True, exist_ok=True)
+
+    def info(self) -> NodeInfo:
+        total = psutil.virtual_memory().total
+        limit = min(self.memory_limit_bytes or total, total)
+        available = min(limit, psutil.virtual_memory().available)
+        return NodeInfo(
+            name=self.name,
+            backend=node_backend(),
+            memory_bytes=limit,
+            available_bytes=available,
+            address=self.address,
+            pid=os.getpid(),
+            started_at=self.started_at,
+            heartbeat_at=time.time(),
+        )
+
+    def start_rank(self, group: GroupSpec, rank: int) -> None:
+        group_dir = self.scratch / group.group_id
+        group_dir.mkdir(parents=True, exist_ok=True)
+        spec_path = group_dir / f"group-rank{rank}.json"
+        spec_path.write_text(group.model_dump_json())
+        log_path = self.settings.home / "logs" / f"{group.group_id}-rank{rank}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = [
+            "-m",
+            "ring_worker.rank_main",
+            "--group",
+            str(spec_path),
+            "--rank",
+            str(rank),
+            "--redis-url",
+            self.redis_url,
+        ]
+        local_ranks = sum(1 for n in group.nodes if n == self.name)
+        env = rank_environment(
+            self.settings.blas, threads=max(1, (os.cpu_count() or 1) // local_ranks)
+        )
+        process = spawn_rank(argv, env, log_path)
+        with self.lock:
+            self.ranks.append(RankProcess(group, rank, process, log_path))
+        log.info("job %s rank %d: started pid %d on %s", group.job_id, rank, process.pid, self.name)
+
+    def heartbeat_forever(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.store.put_node(self.info(), self.settings.node_ttl_s)
+            except redis.RedisError as exc:
+                log.warning("node %s: heartbeat failed: %s", self.name, exc)
+            self.stopping.wait(self.settings.node_heartbeat_s)
+
+    def monitor_forever(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.reap_ranks()
+            except redis.RedisError as exc:
+                log.warning("node %s: monitor failed: %s", self.name, exc)
+            self.stopping.wait(MONITOR_INTERVAL_S)
+
+    def reap_ranks(self) -> None:
+        with self.lock:
+            ranks = list(self.ranks)
+        for rp in ranks:
+            code = rp.process.poll()
+            if code is None:
+                if self.conn.exists(keys.group_failed(rp.group.group_id)):
+                    log.info(
+                        "job %s rank %d: group failed, stopping rank", rp.group.job_id, rp.rank
+                    )
+                    terminate_all([rp.process])
+                continue
+            with self.lock:
+                self.ranks.remove(rp)
+            if code != 0:
+                self.fail_group(rp, code)
+
+    def fail_group(self, rp: RankProcess, code: int) -> None:
+        reason = f"rank {rp.rank} on node {self.name} exited with code {code}"
+        tail = log_tail(rp.log_path)
+        if tail:
+            reason += f": {tail}"
+        self.conn.set(keys.group_failed(rp.group.group_id), reason, ex=3600)
+        if self.store.fail(rp.group.job_id, reason):
+            log.warning("job %s failed: %s", rp.group.job_id, reason)
+
+    def run(self) -> None:
+        """Serve until SIGINT/SIGTERM; then stop every rank this agent started."""
+        threads = [
+            threading.Thread(target=f, daemon=True, name=f.__name__)
+            for f in (self.heartbeat_forever, self.monitor_forever)
+        ]
+        for thread in threads:
+            thread.start()
+        global _agent
+        _agent = self
+        worker = SimpleWorker(
+            [node_queue(self.conn, self.name)],
+            connection=self.conn,
+            serializer=JSONSerializer,
+            name=f"ringq-node-{self.name}-{os.getpid()}",
+        )
+        try:
+            worker.work(logging_level="WARNING")
+        finally:
+            self.stopping.set()
+            with self.lock:
+                terminate_all([rp.process for rp in self.ranks])
+            self.store.remove_node(self.name)
+
+
+_agent: NodeAgent | None = None
+
+
+def start_rank(group: dict, rank: int) -> str:
+    """RQ entry point, executed inside the node agent's process."""
+    if _agent is None:
+        raise RuntimeError("start_rank must run inside a node agent")
+    spec = GroupSpec.model_validate(group)
+    _agent.start_rank(spec, rank)
+    return f"started rank {rank} of group {spec.group_id}"
+
+
+def node_backend() -> str:
+    if sys.platform == "darwin":
+        return "metal"
+    return "cuda" if os.environ.get("RINGQ_BACKEND") == "cuda" else "cpu"
+
+
+def log_tail(path: Path) -> str:
+    """The last meaningful lines of a rank's log: usually the exception."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    useful = [line for line in lines if line.strip() and not line.startswith("[ring]")]
+    return " | ".join(useful[-LOG_TAIL_LINES:])[-800:]

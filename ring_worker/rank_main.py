@@ -1,0 +1,142 @@
+"""A rank process: join the group, load the model, run the group's job, report through a JobIO.
+
+This is the bridge from a job to the engine. Started fresh (`python -m ring_worker.rank_main`) by
+a node agent or by `ringq run`; never forked from a process that has MLX initialised."""
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from jobs.lifecycle import JobState
+from jobs.model_catalog import load_tokenizer, resolve_model
+from jobs.schemas import GroupSpec, JobKind, JobResult, Progress
+from jobs.settings import get_settings
+from ring_worker.engine import Engine
+from ring_worker.group import join_group
+from ring_worker.job_io import FileJobIO, JobIO, RedisJobIO
+from ring_worker.models import load_model
+
+log = logging.getLogger(__name__)
+PROGRESS_INTERVAL_S = 0.25
+
+
+def run_rank(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path) -> None:
+    lead = rank == 0
+    started = time.perf_counter()
+    spec = io.spec()
+    tokens = io.tokens()
+    if lead:
+        io.enter(JobState.LOADING, len(tokens))
+    mx_group = join_group(group.addresses, rank, scratch_dir)
+    source = resolve_model(group.model)
+    model = load_model(source, dequantize=on_cpu())
+    tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
+    engine = Engine(model, mx_group)
+    load_s = time.perf_counter() - started
+    log.info("job %s rank %d: loaded %s in %.1fs", io.job_id, rank, group.model, load_s)
+
+    report = throttled(io, lead)
+    if lead:
+        io.enter(JobState.PREFILL, len(tokens))
+    prefill = engine.prefill(tokens, group.chunk_tokens, on_progress=report)
+    generated: list[int] = []
+    decode_s = 0.0
+    if spec.kind == JobKind.GENERATE:
+        if lead:
+            io.enter(JobState.DECODE, len(tokens))
+        decoded = engine.decode(
+            prefill,
+            spec.max_tokens,
+            temperature=spec.temperature,
+            stop_ids=tokenizer.eos_token_ids,
+            on_progress=report,
+        )
+        generated, decode_s = decoded.tokens, decoded.seconds
+    peaks = engine.gather_ints(mx.get_peak_memory())
+    if lead:
+        text = tokenizer.decode([t for t in generated if t not in tokenizer.eos_token_ids])
+        io.finish(
+            JobResult(
+                text=text if spec.kind == JobKind.GENERATE else None,
+                prompt_tokens=len(tokens),
+                generated_tokens=len(generated),
+                prompt_tps=len(tokens) / prefill.seconds,
+                generation_tps=len(generated) / decode_s if decode_s else 0.0,
+                load_s=load_s,
+                prefill_s=prefill.seconds,
+                decode_s=decode_s,
+                peak_memory_bytes=peaks,
+            )
+        )
+    log.info("job %s rank %d: done", io.job_id, rank)
+
+
+def throttled(io: JobIO, lead: bool):
+    """Progress callback for the engine: rank 0 writes at most every PROGRESS_INTERVAL_S, and
+    always the first and last update of a phase."""
+    state = {"last": 0.0, "phase_started": time.perf_counter(), "phase": None}
+
+    def report(phase: str, done: int, total: int) -> None:
+        if not lead:
+            return
+        now = time.perf_counter()
+        if phase != state["phase"]:
+            state["phase"], state["phase_started"] = phase, now
+        if done not in (1, total) and now - state["last"] < PROGRESS_INTERVAL_S:
+            return
+        state["last"] = now
+        elapsed = max(now - state["phase_started"], 1e-9)
+        io.progress(
+            Progress(
+                phase=JobState(phase),
+                processed=done,
+                total=total,
+                prompt_tps=done / elapsed if phase == "prefill" else 0.0,
+            )
+        )
+
+    return report
+
+
+def on_cpu() -> bool:
+    return not (mx.metal.is_available() or mx.cuda.is_available())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ring_worker.rank_main")
+    parser.add_argument("--group", type=Path, required=True, help="GroupSpec JSON file")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--redis-url", help="job in Redis (the service)")
+    parser.add_argument("--job-file", type=Path, help="job JSON file (`ringq run`)")
+    parser.add_argument("--events-file", type=Path, help="where `ringq run` reads events")
+    args = parser.parse_args(argv)
+    group = GroupSpec.model_validate_json(args.group.read_text())
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s job={group.job_id} rank={args.rank} %(name)s: %(message)s",
+    )
+    io = make_io(args, group)
+    try:
+        run_rank(group, args.rank, io, args.group.parent)
+    except Exception as exc:  # process edge: record why, then exit non-zero
+        log.exception("job %s rank %d failed", group.job_id, args.rank)
+        io.fail(f"rank {args.rank} ({group.nodes[args.rank]}): {type(exc).__name__}: {exc}")
+        return 1
+    return 0
+
+
+def make_io(args: argparse.Namespace, group: GroupSpec) -> JobIO:
+    if args.redis_url:
+        from jobs.redis_server import connect
+        from jobs.store import JobStore
+
+        return RedisJobIO(JobStore(connect(args.redis_url), get_settings().job_ttl_s), group.job_id)
+    return FileJobIO(args.job_file, args.events_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
