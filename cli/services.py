@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from importlib.resources import files
 from pathlib import Path
@@ -27,6 +28,7 @@ from ring_worker.node_agent import NodeAgent, log_tail
 
 console = Console(stderr=True)
 READY_TIMEOUT_S = 60.0
+PARENT_PID_ENV = "RINGQ_PARENT_PID"
 
 
 class LocalCluster:
@@ -94,6 +96,14 @@ class LocalCluster:
         return self.redis.url
 
     def __exit__(self, *exc_info: object) -> None:
+        # A second Ctrl-C must not cut the cleanup short and orphan the services.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self._stop_children()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _stop_children(self) -> None:
         for _, process, _ in self.children:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -184,7 +194,7 @@ def demo(model: str | None, ring_size: int, max_tokens: int) -> None:
 def node(name: str | None, address: str, memory_limit: float | None) -> None:
     """Run a node agent: register, heartbeat, start rank processes when asked."""
     settings = get_settings()
-    setup_logging()
+    setup_service()
     url = redis_url_for(settings)
     agent = NodeAgent(
         name or socket.gethostname(),
@@ -200,7 +210,7 @@ def node(name: str | None, address: str, memory_limit: float | None) -> None:
 @click.command()
 def dispatcher() -> None:
     """Run the dispatcher: admit, place and hand over submitted jobs."""
-    setup_logging()
+    setup_service()
     conn = redis_connection()
     worker = SimpleWorker(
         [admit_queue(conn)],
@@ -211,7 +221,20 @@ def dispatcher() -> None:
     worker.work(logging_level="WARNING")
 
 
-def setup_logging() -> None:
+def setup_service() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if parent := os.environ.get(PARENT_PID_ENV):
+        exit_with_parent(int(parent))
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """Services started by `ringq up` stop (warm, via SIGTERM) if it dies without stopping them."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()

@@ -1,7 +1,6 @@
 """Where a rank reads its job and reports back: Redis (the service) or files (`ringq run`)."""
 
 import json
-import time
 from pathlib import Path
 from typing import Protocol
 
@@ -41,10 +40,8 @@ class RedisJobIO:
         self.store.set_progress(self.job_id, progress)
 
     def finish(self, result: JobResult) -> None:
-        record = self.store.get(self.job_id)
-        done = record.progress.model_copy(
-            update={"phase": JobState.FINISHED, "updated_at": time.time()}
-        )
+        last = self.store.get(self.job_id).progress
+        done = Progress(phase=JobState.FINISHED, processed=last.processed, total=last.processed)
         self.store.transition(self.job_id, JobState.FINISHED, result=result, progress=done)
 
     def fail(self, reason: str) -> None:

@@ -1,0 +1,67 @@
+import pytest
+
+from admission.estimate import estimate_node_bytes
+from admission.model_shape import ModelShape
+from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
+
+GIB = 1024**3
+SHAPE = ModelShape(
+    architecture="llama", layers=30, hidden_size=576, intermediate_size=1536, q_heads=9,
+    kv_heads=3, head_dim=64, vocab_size=49152, context_length=8192,
+    weight_bytes=100 * 1024**2, dense_weight_bytes=540 * 1024**2, compute_dtype_bytes=4,
+)
+
+
+def request(tokens=2000, ring_size=None, sharding="auto"):
+    return PlacementRequest(prompt_tokens=tokens, max_new_tokens=100, chunk_tokens=512,
+                            ring_size=ring_size, sharding=sharding, ring_min_tokens=1024)
+
+
+def nodes(*gib):
+    return [NodeCapacity(f"n{i}", int(g * GIB), dense_weights=True) for i, g in enumerate(gib)]
+
+
+def test_kv_bytes_follow_the_formula():
+    est = estimate_node_bytes(SHAPE, 1000, 24, 2, 512, dense_weights=True)
+    assert est.kv_bytes == 2 * 30 * 3 * 64 * 4 * 1024
+    assert est.weights_bytes == SHAPE.dense_weight_bytes
+
+
+def test_quantized_nodes_count_stored_weights():
+    est = estimate_node_bytes(SHAPE, 1000, 0, 1, 512, dense_weights=False)
+    assert est.weights_bytes == SHAPE.weight_bytes
+
+
+@pytest.mark.parametrize(
+    ("req", "live", "strategy", "count"),
+    [
+        (request(tokens=100), nodes(8, 8), "single", 1),  # short prompt: one node
+        (request(tokens=4000), nodes(8, 8), "ring", 2),  # long prompt: every live node
+        (request(tokens=4000), nodes(8, 0.1), "single", 1),  # only one node has room
+        (request(ring_size=2), nodes(8, 8, 8), "ring", 2),
+        (request(sharding="single", tokens=4000), nodes(8, 8), "single", 1),
+        (request(sharding="ring", tokens=10), nodes(8, 8, 8), "ring", 2),  # fewest that fit
+    ],
+)
+def test_plans(req, live, strategy, count):
+    plan = plan_placement(SHAPE, req, live)
+    assert plan.strategy == strategy and len(plan.nodes) == count
+
+
+def test_largest_nodes_first():
+    plan = plan_placement(SHAPE, request(ring_size=1), nodes(2, 8, 4))
+    assert plan.nodes == ("n1",)
+
+
+@pytest.mark.parametrize(
+    ("req", "live", "message"),
+    [
+        (request(), [], "no live nodes"),
+        (request(ring_size=3), nodes(8, 8), "needs 3 nodes; 2 live"),
+        (request(sharding="ring"), nodes(8), "at least 2 nodes"),
+        (request(), nodes(0.2, 0.3), r"n0: needs .* GiB .* has 0.20 GiB"),
+    ],
+)
+def test_cannot_place(req, live, message):
+    with pytest.raises(CannotPlace, match=message):
+        plan_placement(SHAPE, req, live)
