@@ -117,7 +117,15 @@ for _command in (run, up, demo, node, dispatcher):
 
 
 def main() -> None:
-    cli()
+    """Entry point: every error, usage errors included, is one line on stderr and exit code 1+."""
+    try:
+        cli(standalone_mode=False)
+    except click.ClickException as exc:
+        click.echo(f"Error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

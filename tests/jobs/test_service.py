@@ -6,31 +6,15 @@ import time
 import psutil
 import pytest
 
-from cli.services import LocalCluster
 from jobs.errors import UnknownModelError
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
 from jobs.schemas import JobSpec
-from jobs.settings import get_settings
 from jobs.store import JobStore
 from jobs.submit import submit_job
 
 JOB_TIMEOUT_S = 120
 DOCUMENT = "Ring attention splits a long prompt over several machines. " * 40
-
-
-@pytest.fixture(scope="module")
-def cluster(redis_url, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RINGQ_REDIS_URL", redis_url)
-        env.setenv("RINGQ_HOME", str(tmp_path_factory.mktemp("home")))
-        env.setenv("RINGQ_PREFILL_CHUNK_TOKENS", "128")
-        get_settings.cache_clear()
-        connect(redis_url).flushall()
-        with LocalCluster(get_settings(), 2) as running:
-            running.wait_ready()
-            yield running
-    get_settings.cache_clear()
 
 
 @pytest.fixture

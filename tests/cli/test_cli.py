@@ -1,0 +1,86 @@
+"""The `ringq` command as a user runs it: a real process, real Redis, real ranks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jobs.settings import get_settings
+
+DOCUMENT = "The Eddystone rocks lie fourteen kilometres off Plymouth. " * 30
+
+
+def ringq(*args, env_extra=None, stdin=None, timeout=180):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
+                          text=True, env=env, input=stdin, timeout=timeout)
+
+
+@pytest.fixture
+def doc(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_text(DOCUMENT)
+    return path
+
+
+def test_run_ring_and_single_agree(doc, tiny_llama_dir):
+    common = ["generate", str(doc), "--model", str(tiny_llama_dir), "--max-tokens", "8",
+              "--prompt", "Where?", "--json", "--chunk-tokens", "64"]
+    ring = json.loads(ringq("run", *common, "--sharding", "ring", "--ring-size", "2").stdout)
+    single = json.loads(ringq("run", *common, "--sharding", "single").stdout)
+    for payload in (ring, single):
+        assert {"id", "state", "text", "prompt_tokens", "generated_tokens", "prompt_tps",
+                "generation_tps", "peak_memory_bytes"} <= payload.keys()
+    assert ring["state"] == "finished" and ring["ring_size"] == 2
+    assert len(ring["peak_memory_bytes"]) == 2 and len(single["peak_memory_bytes"]) == 1
+    assert ring["text"] == single["text"] and ring["prompt_tokens"] == single["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("setup", "args", "message"),
+    [
+        (None, ["run", "prefill", "/no/such/file"], "no such file"),
+        (b"\xff\xfe\x00binary", ["run", "prefill", "{file}"], "not UTF-8"),
+        (b"   \n", ["run", "prefill", "{file}"], "empty"),
+        (b"text", ["run", "prefill", "{file}", "--model", "gpt-17"], "gpt-17"),
+        (b"text", ["run", "generate", "{file}", "--max-tokens", "0"], "max_tokens"),
+        (b"text", ["submit", "prefill", "{file}", "--ring-size", "two"], "ring-size"),
+    ],
+)
+def test_bad_input_is_one_line_on_stderr(tmp_path, setup, args, message):
+    file = tmp_path / "input"
+    if setup is not None:
+        file.write_bytes(setup)
+    proc = ringq(*[a.replace("{file}", str(file)) for a in args])
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert proc.stdout == ""
+    assert len([line for line in proc.stderr.splitlines() if line.strip()]) <= 2  # click's "Error:"
+
+
+def test_submit_status_result_against_a_running_cluster(cluster, doc, tiny_llama_dir):
+    env = {"RINGQ_REDIS_URL": cluster.url, "RINGQ_HOME": str(get_settings().home)}
+    submitted = ringq("submit", "generate", str(doc), "--model", str(tiny_llama_dir),
+                      "--prompt", "Where?", "--max-tokens", "6", "--ring-size", "2",
+                      "--id", "cli-job-1", env_extra=env)
+    assert submitted.returncode == 0, submitted.stderr
+    assert submitted.stdout.strip() == "cli-job-1"
+    watched = ringq("status", "cli-job-1", "--watch", "--json", env_extra=env)
+    status = json.loads(watched.stdout)
+    assert status["state"] == "finished", status
+    assert status["placement"]["strategy"] == "ring" and status["placement"]["ring_size"] == 2
+    assert {"id", "kind", "state", "progress", "placement", "error"} <= status.keys()
+    result = json.loads(ringq("result", "cli-job-1", "--json", env_extra=env).stdout)
+    assert result["state"] == "finished" and result["generated_tokens"] >= 1
+    assert len(result["peak_memory_bytes"]) == 2
+    nodes = json.loads(ringq("nodes", "--json", env_extra=env).stdout)
+    assert {n["name"] for n in nodes["nodes"]} >= {"node-0", "node-1"}
+    again = ringq("submit", "prefill", str(doc), "--id", "cli-job-1", env_extra=env)
+    assert again.returncode == 1 and "already exists" in again.stderr
+
+
+def test_status_of_unknown_job(cluster):
+    proc = ringq("status", "nope", env_extra={"RINGQ_REDIS_URL": cluster.url})
+    assert proc.returncode == 1 and "no job 'nope'" in proc.stderr
