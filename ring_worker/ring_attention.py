@@ -40,7 +40,7 @@ class ChunkSplit:
 
 @dataclass
 class Ring:
-    """A rank's view of its group plus the split of the chunk being prefilled (None: run plainly)."""
+    """A rank's view of its group, and the split of the chunk in prefill (None: run plainly)."""
 
     group: Any  # mx.distributed.Group
     split: ChunkSplit | None = None
@@ -73,9 +73,11 @@ def partial_attention(
         lq, lk = scores.shape[-2:]
         visible = mx.arange(lq)[:, None] >= mx.arange(lk)[None]
         scores = mx.where(visible, scores, -mx.inf)
-    lse = mx.logsumexp(scores, axis=-1, keepdims=True)
-    out = mx.exp(scores - lse) @ v
-    return out, lse
+    # One exp per score (elementwise work dominates attention on CPU): p = exp(s - max).
+    row_max = mx.max(scores, axis=-1, keepdims=True)
+    weights = mx.exp(scores - row_max)
+    row_sum = mx.sum(weights, axis=-1, keepdims=True)
+    return (weights @ v) / row_sum, row_max + mx.log(row_sum)
 
 
 def merge_partials(parts: list[tuple[mx.array, mx.array]]) -> mx.array:
