@@ -1,5 +1,7 @@
 """Job options shared by `submit` and `run`, and turning them into a JobSpec."""
 
+from typing import Literal
+
 import click
 
 from cli.common import read_document
@@ -55,7 +57,7 @@ def build_spec(
     )
 
 
-def parse_ring_size(value: str | int) -> int | str:
+def parse_ring_size(value: str | int) -> int | Literal["auto"]:
     if value == "auto":
         return "auto"
     try:

@@ -32,7 +32,7 @@ PARENT_PID_ENV = "RINGQ_PARENT_PID"
 
 
 class LocalCluster:
-    """Redis (embedded unless RINGQ_REDIS_URL) + a dispatcher + N node agents, as child processes."""
+    """Redis (embedded unless RINGQ_REDIS_URL), a dispatcher and N node agents as child processes."""
 
     def __init__(self, settings: Settings, node_count: int, name_prefix: str = "node"):
         self.settings = settings
@@ -176,7 +176,8 @@ def demo(model: str | None, ring_size: int, max_tokens: int) -> None:
         if record.placement:
             out.print(
                 f"[dim]{record.placement.strategy}-{record.placement.ring_size} on "
-                f"{', '.join(record.placement.nodes)}; total {time.perf_counter() - started:.1f}s[/dim]"
+                f"{', '.join(record.placement.nodes)}; "
+                f"total {time.perf_counter() - started:.1f}s[/dim]"
             )
     if record.error:
         sys.exit(1)

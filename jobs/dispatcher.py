@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 
 def admit_job(job_id: str) -> str:
     """RQ entry point. Every outcome is written on the job record; nothing is raised to RQ."""
-    conn = get_current_job().connection
+    job = get_current_job()
+    assert job is not None, "admit_job runs inside the dispatcher's RQ worker"
+    conn = job.connection
     store = JobStore(conn)
     try:
         return admit(conn, store, job_id, get_settings())

@@ -90,7 +90,7 @@ class JobStore:
         return json.loads(raw)
 
     def live_nodes(self) -> list[NodeInfo]:
-        names = sorted(n.decode() for n in self.conn.smembers(keys.NODES_INDEX))
+        names = sorted(_text(n) for n in self.conn.smembers(keys.NODES_INDEX))
         raw = self.conn.mget([keys.node(n) for n in names]) if names else []
         return [NodeInfo.model_validate_json(r) for r in raw if r is not None]
 
@@ -114,9 +114,13 @@ def _dump(fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _encode(fields: dict[str, Any]) -> dict[str, str]:
+def _encode(fields: dict[str, Any]) -> dict[Any, Any]:  # redis-py's mapping type is invariant
     return {k: json.dumps(v) for k, v in fields.items()}
 
 
-def _decode(raw: dict[bytes, bytes]) -> dict[str, Any]:
-    return {k.decode(): json.loads(v) for k, v in raw.items()}
+def _decode(raw: dict[Any, Any]) -> dict[str, Any]:
+    return {_text(k): json.loads(v) for k, v in raw.items()}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

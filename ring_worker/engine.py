@@ -3,7 +3,7 @@
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -105,7 +105,7 @@ class Engine:
         started = time.perf_counter()
         mx.random.seed(seed)
         sampler = make_sampler(temp=temperature)
-        logits, tokens = prefill.logits, []
+        logits, tokens = prefill.logits, list[int]()
         while len(tokens) < max_tokens:
             token = self._agree(sampler(logits[None]))
             tokens.append(token)
@@ -119,11 +119,11 @@ class Engine:
 
     def _agree(self, sampled: mx.array) -> int:
         if self.ring is None:
-            return int(sampled.item())
+            return cast(int, sampled.item())
         mine = (
             sampled.astype(mx.int32) if self.ring.rank == 0 else mx.zeros(sampled.shape, mx.int32)
         )
-        return int(mx.distributed.all_sum(mine, group=self.ring.group).item())
+        return cast(int, mx.distributed.all_sum(mine, group=self.ring.group).item())
 
     def gather_ints(self, value: int) -> list[int]:
         """One integer from every rank, in rank order (e.g. peak memory)."""
@@ -131,7 +131,7 @@ class Engine:
             return [value]
         mine = mx.zeros((self.ring.size,), dtype=mx.int64)
         mine[self.ring.rank] = value
-        return [int(v) for v in mx.distributed.all_sum(mine, group=self.ring.group).tolist()]
+        return cast(list[int], mx.distributed.all_sum(mine, group=self.ring.group).tolist())
 
 
 def logits_from_hidden(model: nn.Module, hidden: mx.array) -> mx.array:

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Literal
 from pathlib import Path
 
 import psutil
@@ -182,7 +183,7 @@ def start_rank(group: dict, rank: int) -> str:
     return f"started rank {rank} of group {spec.group_id}"
 
 
-def node_backend() -> str:
+def node_backend() -> Literal["cpu", "metal", "cuda"]:
     if sys.platform == "darwin":
         return "metal"
     return "cuda" if os.environ.get("RINGQ_BACKEND") == "cuda" else "cpu"

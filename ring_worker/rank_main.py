@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -75,21 +76,28 @@ def run_rank(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path) -> None:
     log.info("job %s rank %d: done", io.job_id, rank)
 
 
+@dataclass
+class _ReportClock:
+    phase: str = ""
+    phase_started_s: float = 0.0
+    last_write_s: float = 0.0
+
+
 def throttled(io: JobIO, lead: bool):
     """Progress callback for the engine: rank 0 writes at most every PROGRESS_INTERVAL_S, and
     always the first and last update of a phase."""
-    state = {"last": 0.0, "phase_started": time.perf_counter(), "phase": None}
+    clock = _ReportClock()
 
     def report(phase: str, done: int, total: int) -> None:
         if not lead:
             return
         now = time.perf_counter()
-        if phase != state["phase"]:
-            state["phase"], state["phase_started"] = phase, now
-        if done not in (1, total) and now - state["last"] < PROGRESS_INTERVAL_S:
+        if phase != clock.phase:
+            clock.phase, clock.phase_started_s = phase, now
+        if done not in (1, total) and now - clock.last_write_s < PROGRESS_INTERVAL_S:
             return
-        state["last"] = now
-        elapsed = max(now - state["phase_started"], 1e-9)
+        clock.last_write_s = now
+        elapsed = max(now - clock.phase_started_s, 1e-9)
         io.progress(
             Progress(
                 phase=JobState(phase),
@@ -117,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     group = GroupSpec.model_validate_json(args.group.read_text())
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s job={group.job_id} rank={args.rank} %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s job={group.job_id} rank={args.rank} %(message)s",
     )
     io = make_io(args, group)
     try:

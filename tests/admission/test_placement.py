@@ -6,15 +6,30 @@ from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, pla
 
 GIB = 1024**3
 SHAPE = ModelShape(
-    architecture="llama", layers=30, hidden_size=576, intermediate_size=1536, q_heads=9,
-    kv_heads=3, head_dim=64, vocab_size=49152, context_length=8192,
-    weight_bytes=100 * 1024**2, dense_weight_bytes=540 * 1024**2, compute_dtype_bytes=4,
+    architecture="llama",
+    layers=30,
+    hidden_size=576,
+    intermediate_size=1536,
+    q_heads=9,
+    kv_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    context_length=8192,
+    weight_bytes=100 * 1024**2,
+    dense_weight_bytes=540 * 1024**2,
+    compute_dtype_bytes=4,
 )
 
 
 def request(tokens=2000, ring_size=None, sharding="auto"):
-    return PlacementRequest(prompt_tokens=tokens, max_new_tokens=100, chunk_tokens=512,
-                            ring_size=ring_size, sharding=sharding, ring_min_tokens=1024)
+    return PlacementRequest(
+        prompt_tokens=tokens,
+        max_new_tokens=100,
+        chunk_tokens=512,
+        ring_size=ring_size,
+        sharding=sharding,
+        ring_min_tokens=1024,
+    )
 
 
 def nodes(*gib):

