@@ -63,7 +63,6 @@ def submit(kind, file, model, prompt, max_tokens, temperature, as_json, ring_siz
         max_tokens=max_tokens,
         temperature=temperature,
         ring_size=ring_size,
-        custom_id=job_id,
     )
     record = submit_job(redis_connection(), spec, job_id)
     if as_json:

@@ -39,7 +39,6 @@ def build_spec(
     temperature,
     ring_size,
     sharding="auto",
-    custom_id=None,
 ) -> JobSpec:
     settings = get_settings()
     text, name = read_document(file, settings.max_document_bytes)
@@ -53,7 +52,6 @@ def build_spec(
         temperature=temperature,
         ring_size=parse_ring_size(ring_size),
         sharding=sharding,
-        custom_id=custom_id,
     )
 
 

@@ -32,10 +32,17 @@ PARENT_PID_ENV = "RINGQ_PARENT_PID"
 
 
 class LocalCluster:
-    """Redis (embedded unless RINGQ_REDIS_URL), a dispatcher and N node agents as child processes."""
+    """Redis (embedded unless RINGQ_REDIS_URL), a dispatcher and N node agents, as children."""
 
-    def __init__(self, settings: Settings, node_count: int, name_prefix: str = "node"):
+    def __init__(
+        self,
+        settings: Settings,
+        node_count: int,
+        name_prefix: str = "node",
+        extra_env: dict[str, str] | None = None,
+    ):
         self.settings = settings
+        self.extra_env = extra_env or {}
         self.node_names = [f"{name_prefix}-{i}" for i in range(node_count)]
         self.redis: RedisHandle | None = None
         self.children: list[tuple[str, subprocess.Popen, Path]] = []
@@ -46,6 +53,8 @@ class LocalCluster:
             **os.environ,
             "RINGQ_REDIS_URL": self.redis.url,
             "RINGQ_HOME": str(self.settings.home),
+            PARENT_PID_ENV: str(os.getpid()),
+            **self.extra_env,
         }
         logs = self.settings.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from jobs.store import JobStore
 from jobs.submit import node_queue
 
 log = logging.getLogger(__name__)
+CPU_COMPUTE_DTYPE = "float32"  # what CPU ranks compute in (ring_worker.rank_main)
 
 
 def admit_job(job_id: str) -> str:
@@ -93,7 +94,7 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
 def tokenize_and_check(spec: JobSpec) -> tuple[list[int], ModelShape]:
     """The job's prompt tokens and its model's shape; InvalidJobError past the model's context."""
     tokens = prompt_tokens(spec)
-    shape = read_model_shape(resolve_model(spec.model))
+    shape = read_model_shape(resolve_model(spec.model), dtype=CPU_COMPUTE_DTYPE)
     if len(tokens) + new_tokens(spec) > shape.context_length:
         raise InvalidJobError(
             f"prompt of {len(tokens)} tokens (+{new_tokens(spec)} to generate) exceeds "

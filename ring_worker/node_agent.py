@@ -10,8 +10,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
 from pathlib import Path
+from typing import Literal
 
 import psutil
 import redis

@@ -97,13 +97,8 @@ def cluster(redis_url, tmp_path_factory):
     """`ringq up` in-process: dispatcher + node-0, node-1 as real processes on the test Redis."""
     from cli.services import LocalCluster
 
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RINGQ_REDIS_URL", redis_url)
-        env.setenv("RINGQ_HOME", str(tmp_path_factory.mktemp("cluster-home")))
-        env.setenv("RINGQ_PREFILL_CHUNK_TOKENS", "128")
-        get_settings.cache_clear()
-        connect(redis_url).flushall()
-        with LocalCluster(get_settings(), 2) as running:
-            running.wait_ready()
-            yield running
-    get_settings.cache_clear()
+    settings = Settings(redis_url=redis_url, home=tmp_path_factory.mktemp("cluster-home"))
+    connect(redis_url).flushall()
+    with LocalCluster(settings, 2, extra_env={"RINGQ_PREFILL_CHUNK_TOKENS": "128"}) as running:
+        running.wait_ready()
+        yield running

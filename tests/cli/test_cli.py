@@ -7,8 +7,6 @@ import sys
 
 import pytest
 
-from jobs.settings import get_settings
-
 DOCUMENT = "The Eddystone rocks lie fourteen kilometres off Plymouth. " * 30
 
 
@@ -86,7 +84,7 @@ def test_bad_input_is_one_line_on_stderr(tmp_path, setup, args, message):
 
 
 def test_submit_status_result_against_a_running_cluster(cluster, doc, tiny_llama_dir):
-    env = {"RINGQ_REDIS_URL": cluster.url, "RINGQ_HOME": str(get_settings().home)}
+    env = {"RINGQ_REDIS_URL": cluster.url, "RINGQ_HOME": str(cluster.settings.home)}
     submitted = ringq(
         "submit",
         "generate",

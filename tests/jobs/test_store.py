@@ -4,10 +4,10 @@ import pytest
 
 from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundError
 from jobs.lifecycle import JobState
-from jobs.schemas import JobSpec, Progress
+from jobs.schemas import JobKind, JobSpec, Progress
 from jobs.store import JobStore
 
-SPEC = JobSpec(kind="prefill", document="hello world")
+SPEC = JobSpec(kind=JobKind.PREFILL, document="hello world")
 
 
 @pytest.fixture

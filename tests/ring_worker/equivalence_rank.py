@@ -3,6 +3,7 @@
 import json
 import sys
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 
@@ -26,7 +27,9 @@ def main() -> None:
 
 
 def prompt_tokens(length: int) -> list[int]:
-    return mx.random.randint(0, 1000, (length,), key=mx.random.key(length)).tolist()
+    return cast(
+        list[int], mx.random.randint(0, 1000, (length,), key=mx.random.key(length)).tolist()
+    )
 
 
 if __name__ == "__main__":

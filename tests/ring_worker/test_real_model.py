@@ -16,13 +16,24 @@ DOCUMENT = DEMO[DEMO.index("## Henry Winstanley") : DEMO.index("## John Smeaton"
 
 @pytest.mark.slow
 def test_smollm2_ring_of_two_answers_like_one_device(tmp_path):
-    spec = JobSpec(kind="generate", document=DOCUMENT, max_tokens=24,
-                   prompt="What destroyed John Rudyerd's wooden lighthouse in 1755?")
+    spec = JobSpec(
+        kind="generate",
+        document=DOCUMENT,
+        max_tokens=24,
+        prompt="What destroyed John Rudyerd's wooden lighthouse in 1755?",
+    )
     tokens, _ = tokenize_and_check(spec)
     assert len(tokens) > 300
     results = {
-        size: run_local(f"real-{size}", spec, tokens, size, chunk_tokens=128,
-                        scratch_root=tmp_path, timeout_s=300)
+        size: run_local(
+            f"real-{size}",
+            spec,
+            tokens,
+            size,
+            chunk_tokens=128,
+            scratch_root=tmp_path,
+            timeout_s=300,
+        )
         for size in (1, 2)
     }
     single, ring = results[1], results[2]
