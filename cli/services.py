@@ -180,7 +180,7 @@ def demo(model: str | None, ring_size: int, max_tokens: int) -> None:
         console.print(f"job {record.id}: {question}")
         record = watch(JobStore(conn), record.id, console)
         out = Console()
-        out.print(f"\n[bold]Q:[/bold] {question}\n[bold]A:[/bold] ", end="")
+        out.print(f"\n[bold]{question}[/bold]\n[bold]Answer:[/bold] ", end="")
         print_result(out, result_json(record))
         if record.placement:
             out.print(
