@@ -68,6 +68,7 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         addresses=[allocate_address(conn, by_name[name], settings) for name in plan.nodes],
         nodes=list(plan.nodes),
         chunk_tokens=settings.prefill_chunk_tokens,
+        strategy=plan.strategy,
     )
     store.set_tokens(job_id, tokens)
     placement = Placement(

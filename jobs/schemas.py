@@ -125,6 +125,9 @@ class GroupSpec(_Message):
     addresses: list[str]  # "host:port" per rank
     nodes: list[str]  # node name per rank
     chunk_tokens: int
+    strategy: Literal["single", "ring", "pipeline"] = "ring"
+    exchange: Literal["rotate", "allgather"] = "rotate"  # how ring ranks share K/V blocks
+    decode_kv: Literal["replicated", "sharded"] = "replicated"  # KV layout after a ring prefill
 
 
 def check_job_id(job_id: str) -> str:

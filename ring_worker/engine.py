@@ -13,6 +13,11 @@ from mlx_lm.sample_utils import make_sampler
 from ring_worker.ring_attention import ChunkSplit, Ring, install_ring_attention
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
+StopFn = Callable[[], bool]  # asked on every rank at each chunk / decode step
+
+
+class Cancelled(Exception):
+    """Some rank asked to stop; every rank agreed at the same chunk or decode-step boundary."""
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,14 @@ class Engine:
         return self.ring.rank if self.ring else 0
 
     def prefill(
-        self, tokens: list[int], chunk_tokens: int, on_progress: ProgressFn | None = None
+        self,
+        tokens: list[int],
+        chunk_tokens: int,
+        on_progress: ProgressFn | None = None,
+        should_stop: StopFn | None = None,
     ) -> PrefillResult:
+        """Chunked prefill. `should_stop`, if given, must be given on every rank: the ranks agree
+        on it (one tiny collective) after every chunk and raise Cancelled together."""
         if not tokens:
             raise ValueError("cannot prefill an empty prompt")
         started = time.perf_counter()
@@ -57,6 +68,8 @@ class Engine:
             done = start + len(chunk)
             if on_progress:
                 on_progress("prefill", done, total)
+            if should_stop is not None and self._agree_flags([0, int(should_stop())])[1]:
+                raise Cancelled(f"stopped after {done} of {total} prompt tokens")
         logits = self._share_last_logits(hidden)
         return PrefillResult(logits, cache, total, time.perf_counter() - started)
 
@@ -100,14 +113,19 @@ class Engine:
         stop_ids: frozenset[int] = frozenset(),
         seed: int = 0,
         on_progress: ProgressFn | None = None,
+        should_stop: StopFn | None = None,
     ) -> DecodeResult:
-        """Replicated decode: every rank steps the full model; rank 0's token is broadcast."""
+        """Replicated decode: every rank steps the full model; rank 0's token is broadcast
+        together with the ranks' stop flags (one collective per token)."""
         started = time.perf_counter()
         mx.random.seed(seed)
         sampler = make_sampler(temp=temperature)
         logits, tokens = prefill.logits, list[int]()
         while len(tokens) < max_tokens:
-            token = self._agree(sampler(logits[None]))
+            stop = int(should_stop()) if should_stop is not None else 0
+            token, stopping = self._agree_flags([self._sampled(sampler(logits[None])), stop])
+            if stopping:
+                raise Cancelled(f"stopped after {len(tokens)} generated tokens")
             tokens.append(token)
             if on_progress:
                 on_progress("decode", len(tokens), max_tokens)
@@ -117,13 +135,16 @@ class Engine:
             logits = out[0, -1].astype(mx.float32)
         return DecodeResult(tokens, time.perf_counter() - started)
 
-    def _agree(self, sampled: mx.array) -> int:
+    def _sampled(self, sampled: mx.array) -> int:
+        """Rank 0's sample counts; other ranks contribute 0 to the sum."""
+        return cast(int, sampled.item()) if self.rank == 0 else 0
+
+    def _agree_flags(self, values: list[int]) -> list[int]:
+        """Element-wise sum over ranks (a broadcast from rank 0 when the others send zeros)."""
         if self.ring is None:
-            return cast(int, sampled.item())
-        mine = (
-            sampled.astype(mx.int32) if self.ring.rank == 0 else mx.zeros(sampled.shape, mx.int32)
-        )
-        return cast(int, mx.distributed.all_sum(mine, group=self.ring.group).item())
+            return values
+        summed = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.ring.group)
+        return cast(list[int], summed.tolist())
 
     def gather_ints(self, value: int) -> list[int]:
         """One integer from every rank, in rank order (e.g. peak memory)."""

@@ -6,6 +6,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 from jobs.schemas import GroupSpec, JobResult, JobSpec, Progress
 from ring_worker.group import free_loopback_ports
@@ -26,6 +27,9 @@ def run_local(
     chunk_tokens: int,
     *,
     scratch_root: Path,
+    strategy: Literal["single", "ring", "pipeline"] | None = None,
+    exchange: Literal["rotate", "allgather"] = "rotate",
+    decode_kv: Literal["replicated", "sharded"] = "replicated",
     blas: str = "auto",
     on_progress: Callable[[Progress], None] | None = None,
     timeout_s: float | None = None,
@@ -41,6 +45,9 @@ def run_local(
         addresses=[f"127.0.0.1:{p}" for p in free_loopback_ports(ring_size)],
         nodes=["local"] * ring_size,
         chunk_tokens=chunk_tokens,
+        strategy=strategy or ("single" if ring_size == 1 else "ring"),
+        exchange=exchange,
+        decode_kv=decode_kv,
     )
     (scratch / "group.json").write_text(group.model_dump_json())
     job_file = scratch / "job.json"
