@@ -1,6 +1,7 @@
 """Choosing where a job runs: strategy, ring size and nodes (pure; no I/O)."""
 
 from dataclasses import dataclass
+from typing import Literal
 
 from admission.estimate import MemoryEstimate, estimate_node_bytes
 from admission.model_shape import ModelShape
@@ -25,7 +26,7 @@ class PlacementRequest:
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    strategy: str  # "single" | "ring"
+    strategy: Literal["single", "ring"]
     nodes: tuple[str, ...]
     bytes_per_node: int
 
