@@ -10,7 +10,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from ring_worker.ring_attention import ChunkSplit, Ring, install_ring_attention
+from ring_worker.ring_attention import ChunkSplit, Exchange, Ring, install_ring_attention
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
 StopFn = Callable[[], bool]  # asked on every rank at each chunk / decode step
@@ -37,9 +37,10 @@ class DecodeResult:
 class Engine:
     """One model on one rank; `ring` is None for the single-device path (plain mlx-lm)."""
 
-    def __init__(self, model: nn.Module, group: Any = None):
+    def __init__(self, model: nn.Module, group: Any = None, exchange: Exchange = "rotate"):
         self.model = model
-        self.ring = Ring(group) if group is not None and group.size() > 1 else None
+        multi = group is not None and group.size() > 1
+        self.ring = Ring(group, exchange) if multi else None
         if self.ring is not None:
             install_ring_attention(model, self.ring)
 
@@ -74,32 +75,30 @@ class Engine:
         return PrefillResult(logits, cache, total, time.perf_counter() - started)
 
     def _prefill_chunk(self, chunk: list[int], cache: list[Any]) -> mx.array | None:
-        """Run one chunk; return the final hidden state if this rank holds the last token."""
+        """Run one chunk; return the final hidden state on rank 0 (which holds the last token)."""
         ring = self.ring
-        if ring is None or len(chunk) < ring.size:
+        if ring is None or len(chunk) < 2 * ring.size:
             # Too short to split: every rank runs the whole chunk (identical results everywhere).
             hidden = self.model.model(mx.array([chunk]), cache=cache)
             mx.eval(hidden, [c.state for c in cache])
             return hidden[:, -1:]
-        ring.split = ChunkSplit.even(len(chunk), ring.size)
+        ring.split = ChunkSplit.zigzag(len(chunk), ring.size)
         try:
-            lo, hi = ring.split.bounds[ring.rank], ring.split.bounds[ring.rank + 1]
-            hidden = self.model.model(mx.array([chunk[lo:hi]]), cache=cache)
+            local = ring.split.local_tokens(chunk, ring.rank)
+            hidden = self.model.model(mx.array([local]), cache=cache)
             mx.eval(hidden, [c.state for c in cache])
         finally:
             ring.split = None
-        return hidden[:, -1:] if ring.rank == ring.size - 1 else None
+        return hidden[:, -1:] if ring.rank == ChunkSplit.last_token_rank else None
 
     def _share_last_logits(self, hidden: mx.array | None) -> mx.array:
-        """Logits of the last prompt position only, broadcast from the rank that holds it."""
+        """Logits of the last prompt position only, broadcast from rank 0, which holds it."""
         logits = None if hidden is None else logits_from_hidden(self.model, hidden)[0, -1]
         if self.ring is None:
             assert logits is not None
             return logits.astype(mx.float32)
-        if logits is None:
+        if logits is None or self.ring.rank != ChunkSplit.last_token_rank:
             logits = mx.zeros((self.model.args.vocab_size,), dtype=mx.float32)
-        elif self.ring.rank != self.ring.size - 1:
-            logits = mx.zeros_like(logits)  # replicated last chunk: one owner contributes
         shared = mx.distributed.all_sum(logits.astype(mx.float32), group=self.ring.group)
         mx.eval(shared)
         return shared

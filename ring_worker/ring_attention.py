@@ -1,15 +1,20 @@
 """Sequence-parallel Ring Attention for mlx-lm attention modules: the ring math lives here only.
 
-Each rank holds one contiguous block of every prefill chunk. Per layer, a rank projects its own
-tokens to Q/K/V (RoPE at absolute positions), then K/V blocks travel around the ring: at step s
-rank r holds the block of rank (r - s) mod N. While the next block is in flight the current one
-is attended to; blocks wholly in the future are never computed. Partial results are merged with
-log-sum-exp. Every rank keeps every block it saw, so after a chunk each rank's KV cache holds the
-whole chunk in order: replicated KV, and decode is plain mlx-lm on every rank.
+Every prefill chunk is cut into 2N blocks and split zigzag: rank r owns blocks r and 2N-1-r, so
+causal work is even across ranks. Per layer, a rank projects its own tokens to Q/K/V (RoPE at
+absolute positions) and the ranks share their K/V:
+- `rotate`: K/V travel around the ring (send to r+1, receive from r-1, on their own streams,
+  overlapped with attention over the block in hand); partial attentions are merged with
+  log-sum-exp; block pairs wholly in a query block's future are never computed.
+- `allgather`: one all_gather per layer, then one causal attention call per query block over
+  its whole prefix (MLX aligns the causal mask to the end when queries are fewer than keys).
+Either way every rank keeps every block, so after a chunk each rank's KV cache holds the whole
+chunk in order: replicated KV, and decode is plain mlx-lm on every rank.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,25 +22,42 @@ import mlx.nn as nn
 # Past-cache keys are attended in tiles of this many tokens so score matrices stay bounded.
 PAST_TILE_TOKENS = 4096
 
+Exchange = Literal["rotate", "allgather"]
+KV = tuple[mx.array, mx.array]
+
 
 @dataclass(frozen=True)
 class ChunkSplit:
-    """Block boundaries of one chunk over the ranks: rank r owns [bounds[r], bounds[r + 1])."""
+    """2N block boundaries of one chunk; rank r owns blocks r and 2N-1-r (zigzag)."""
 
     bounds: tuple[int, ...]
+    size: int
 
     @classmethod
-    def even(cls, chunk_tokens: int, size: int) -> "ChunkSplit":
-        if chunk_tokens < size:
-            raise ValueError(f"chunk of {chunk_tokens} tokens cannot be split over {size} ranks")
-        base, extra = divmod(chunk_tokens, size)
+    def zigzag(cls, chunk_tokens: int, size: int) -> "ChunkSplit":
+        blocks = 2 * size
+        if chunk_tokens < blocks:
+            raise ValueError(f"chunk of {chunk_tokens} tokens cannot be cut into {blocks} blocks")
+        base, extra = divmod(chunk_tokens, blocks)
         bounds = [0]
-        for rank in range(size):
-            bounds.append(bounds[-1] + base + (1 if rank < extra else 0))
-        return cls(tuple(bounds))
+        for block in range(blocks):
+            bounds.append(bounds[-1] + base + (1 if block < extra else 0))
+        return cls(tuple(bounds), size)
 
-    def length(self, rank: int) -> int:
-        return self.bounds[rank + 1] - self.bounds[rank]
+    def blocks_of(self, rank: int) -> tuple[int, int]:
+        return rank, 2 * self.size - 1 - rank
+
+    def block_length(self, block: int) -> int:
+        return self.bounds[block + 1] - self.bounds[block]
+
+    def local_length(self, rank: int) -> int:
+        return sum(self.block_length(b) for b in self.blocks_of(rank))
+
+    def local_tokens(self, chunk: list[int], rank: int) -> list[int]:
+        return [t for b in self.blocks_of(rank) for t in chunk[self.bounds[b] : self.bounds[b + 1]]]
+
+    # The chunk's last token is in block 2N-1, which rank 0 owns.
+    last_token_rank = 0
 
 
 @dataclass
@@ -43,6 +65,7 @@ class Ring:
     """A rank's view of its group, and the split of the chunk in prefill (None: run plainly)."""
 
     group: Any  # mx.distributed.Group
+    exchange: Exchange = "rotate"
     split: ChunkSplit | None = None
     send_stream: Any = field(default_factory=lambda: mx.new_stream(mx.cpu))
     recv_stream: Any = field(default_factory=lambda: mx.new_stream(mx.cpu))
@@ -90,6 +113,13 @@ def merge_partials(parts: list[tuple[mx.array, mx.array]]) -> mx.array:
     return out
 
 
+def visibility(query_block: int, key_block: int) -> str:
+    """How a query block sees a key block under the causal mask: 'full', 'causal' or 'none'."""
+    if key_block < query_block:
+        return "full"
+    return "causal" if key_block == query_block else "none"
+
+
 def project_qkv(attn: nn.Module, x: mx.array, offset: int) -> tuple[mx.array, mx.array, mx.array]:
     """Q/K/V of mlx-lm's Llama or Qwen3 attention, RoPE applied at absolute positions."""
     batch, length, _ = x.shape
@@ -103,42 +133,80 @@ def project_qkv(attn: nn.Module, x: mx.array, offset: int) -> tuple[mx.array, mx
     return q, k, v.transpose(0, 2, 1, 3)
 
 
-def rotate_blocks(ring: Ring, k: mx.array, v: mx.array, attend) -> list[tuple[mx.array, mx.array]]:
-    """Pass K/V blocks around the ring; call attend(src, k, v) on each while the next travels.
+def split_pair(kv: KV, first_length: int) -> tuple[KV, KV]:
+    """A rank's (k, v) holds its two blocks back to back; cut them apart."""
+    k, v = kv
+    first = (k[..., :first_length, :], v[..., :first_length, :])
+    second = (k[..., first_length:, :], v[..., first_length:, :])
+    return first, second
 
-    Returns every rank's block in rank order. Sends carry evaluated arrays, send and receive run
-    on their own CPU streams, and the receive is posted before the current block's attention is
-    evaluated, so communication overlaps compute.
+
+def rotate_blocks(ring: Ring, mine: KV, attend: Callable[[int, KV], list[mx.array]]) -> list[KV]:
+    """Pass each rank's K/V around the ring; call attend(src, kv) on each while the next one
+    travels. Returns every rank's K/V in rank order.
+
+    Sends carry evaluated arrays, send and receive run on their own CPU streams, and the receive
+    is posted before the current attention is evaluated, so communication overlaps compute.
     """
     assert ring.split is not None
     rank, size = ring.rank, ring.size
-    blocks: list[tuple[mx.array, mx.array] | None] = [None] * size
-    mx.eval(k, v)
+    held: list[KV | None] = [None] * size
+    kv = mine
+    mx.eval(*kv)
     for step in range(size):
         src = (rank - step) % size
-        blocks[src] = (k, v)
+        held[src] = kv
         pending: list[mx.array] = []
         if step < size - 1:
-            nxt, prv = (rank + 1) % size, (rank - 1) % size
             incoming = (rank - step - 1) % size
-            shape_k = (*k.shape[:2], ring.split.length(incoming), k.shape[3])
-            shape_v = (*v.shape[:2], ring.split.length(incoming), v.shape[3])
-            sends = [
-                mx.distributed.send(a, nxt, group=ring.group, stream=ring.send_stream)
-                for a in (k, v)
-            ]
-            new_k = mx.distributed.recv(
-                shape_k, k.dtype, prv, group=ring.group, stream=ring.recv_stream
-            )
-            new_v = mx.distributed.recv(
-                shape_v, v.dtype, prv, group=ring.group, stream=ring.recv_stream
-            )
-            pending = [*sends, new_k, new_v]
+            pending = post_exchange(ring, kv, ring.split.local_length(incoming))
             mx.async_eval(pending)
-        computed = attend(src, k, v)
+        computed = attend(src, kv)
         mx.eval(*pending, *computed)
         if pending:
-            k, v = new_k, new_v
+            kv = (pending[2], pending[3])
+    return [h for h in held if h is not None]
+
+
+def post_exchange(ring: Ring, kv: KV, incoming_length: int) -> list[mx.array]:
+    """Send (k, v) to rank r+1 and receive rank r-1's; returns [send k, send v, recv k, recv v]."""
+    nxt, prv = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
+    sends = [mx.distributed.send(a, nxt, group=ring.group, stream=ring.send_stream) for a in kv]
+    recvs = [
+        mx.distributed.recv(
+            (*a.shape[:2], incoming_length, a.shape[3]),
+            a.dtype,
+            prv,
+            group=ring.group,
+            stream=ring.recv_stream,
+        )
+        for a in kv
+    ]
+    return [*sends, *recvs]
+
+
+def gather_blocks(ring: Ring, mine: KV) -> list[KV]:
+    """Every rank's K/V with one all_gather each (padded to the longest rank, then trimmed)."""
+    assert ring.split is not None
+    lengths = [ring.split.local_length(r) for r in range(ring.size)]
+    gathered = []
+    for a in mine:
+        pad = max(lengths) - a.shape[2]
+        padded = mx.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else a
+        gathered.append(mx.distributed.all_gather(padded, group=ring.group))
+    keys, values = gathered
+    return [
+        (keys[r : r + 1, :, :length], values[r : r + 1, :, :length])
+        for r, length in enumerate(lengths)
+    ]
+
+
+def blocks_in_order(split: ChunkSplit, per_rank: list[KV]) -> list[KV]:
+    """The chunk's 2N K/V blocks in position order, from each rank's pair of blocks."""
+    blocks: list[KV | None] = [None] * (2 * split.size)
+    for rank, kv in enumerate(per_rank):
+        first, second = split.blocks_of(rank)
+        blocks[first], blocks[second] = split_pair(kv, split.block_length(first))
     return [b for b in blocks if b is not None]
 
 
@@ -154,28 +222,82 @@ class RingAttention(nn.Module):
         ring = self._ring
         if ring.split is None or cache is None:
             return self.inner(x, mask, cache)
-        attn = self.inner
-        start = cache.offset
-        q, k, v = project_qkv(attn, x, start + ring.split.bounds[ring.rank])
-        batch, _, length, head_dim = q.shape
-        q = q.reshape(batch, attn.n_kv_heads, -1, length, head_dim)
-        parts = attend_past(q, cache, attn.scale)
-
-        def attend(src: int, block_k: mx.array, block_v: mx.array) -> list[mx.array]:
-            if src > ring.rank:  # wholly in this rank's future
-                return []
-            part = partial_attention(q, block_k, block_v, attn.scale, causal=src == ring.rank)
-            parts.append(part)
-            return list(part)
-
-        blocks = rotate_blocks(ring, k, v, attend)
+        split, attn = ring.split, self.inner
+        queries, mine = self._project_local(x, cache.offset)
+        if ring.exchange == "allgather":
+            blocks = blocks_in_order(split, gather_blocks(ring, mine))
+            outs = [
+                prefix_attention(attn, q, block, cache, blocks)
+                for q, block in zip(queries, split.blocks_of(ring.rank), strict=True)
+            ]
+        else:
+            outs, per_rank = self._rotate(queries, mine, cache)
+            blocks = blocks_in_order(split, per_rank)
         cache.update_and_fetch(
             mx.concatenate([b[0] for b in blocks], axis=2),
             mx.concatenate([b[1] for b in blocks], axis=2),
         )
-        out = merge_partials(parts).astype(x.dtype)
-        out = out.reshape(batch, -1, length, head_dim).transpose(0, 2, 1, 3)
-        return attn.o_proj(out.reshape(batch, length, -1))
+        out = mx.concatenate(outs, axis=2).astype(x.dtype)
+        return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1))
+
+    def _project_local(self, x: mx.array, start: int) -> tuple[list[mx.array], KV]:
+        """Queries of this rank's two blocks, and its K/V (both blocks back to back)."""
+        split, rank = self._ring.split, self._ring.rank
+        assert split is not None
+        first, second = split.blocks_of(rank)
+        cut = split.block_length(first)
+        qa, ka, va = project_qkv(self.inner, x[:, :cut], start + split.bounds[first])
+        qb, kb, vb = project_qkv(self.inner, x[:, cut:], start + split.bounds[second])
+        mine = (mx.concatenate([ka, kb], axis=2), mx.concatenate([va, vb], axis=2))
+        return [qa, qb], mine
+
+    def _rotate(
+        self, queries: list[mx.array], mine: KV, cache: Any
+    ) -> tuple[list[mx.array], list[KV]]:
+        ring, attn = self._ring, self.inner
+        split = ring.split
+        assert split is not None
+        own_blocks = split.blocks_of(ring.rank)
+        grouped = [group_heads(q, attn.n_kv_heads) for q in queries]
+        parts = [attend_past(q, cache, attn.scale) for q in grouped]
+
+        def attend(src: int, kv: KV) -> list[mx.array]:
+            computed: list[mx.array] = []
+            pair = split_pair(kv, split.block_length(split.blocks_of(src)[0]))
+            for q, query_block, q_parts in zip(grouped, own_blocks, parts, strict=True):
+                for key_block, (k, v) in zip(split.blocks_of(src), pair, strict=True):
+                    seen = visibility(query_block, key_block)
+                    if seen != "none":
+                        part = partial_attention(q, k, v, attn.scale, causal=seen == "causal")
+                        q_parts.append(part)
+                        computed.extend(part)
+            return computed
+
+        per_rank = rotate_blocks(ring, mine, attend)
+        outs = [ungroup_heads(merge_partials(p)) for p in parts]
+        return outs, per_rank
+
+
+def group_heads(q: mx.array, kv_heads: int) -> mx.array:
+    batch, heads, length, dim = q.shape
+    return q.reshape(batch, kv_heads, heads // kv_heads, length, dim)
+
+
+def ungroup_heads(out: mx.array) -> mx.array:
+    batch, kv_heads, group, length, dim = out.shape
+    return out.reshape(batch, kv_heads * group, length, dim)
+
+
+def prefix_attention(
+    attn: nn.Module, q: mx.array, block: int, cache: Any, blocks: list[KV]
+) -> mx.array:
+    """One causal SDPA call of a query block over everything before it and itself."""
+    keys = [cache.keys[..., : cache.offset, :]] if cache.offset else []
+    values = [cache.values[..., : cache.offset, :]] if cache.offset else []
+    keys += [k for k, _ in blocks[: block + 1]]
+    values += [v for _, v in blocks[: block + 1]]
+    k, v = mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask="causal")
 
 
 def attend_past(q: mx.array, cache: Any, scale: float) -> list[tuple[mx.array, mx.array]]:

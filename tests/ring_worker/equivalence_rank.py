@@ -9,13 +9,15 @@ import mlx.core as mx
 
 from ring_worker.engine import Engine
 from ring_worker.group import join_group
+from ring_worker.ring_attention import Exchange
 from tests.ring_worker.tiny import load_tiny
 
 
 def main() -> None:
-    model_dir, rank, addresses, lengths, chunk, out_dir = sys.argv[1:7]
+    model_dir, rank, addresses, lengths, chunk, out_dir, exchange = sys.argv[1:8]
     group = join_group(json.loads(addresses), int(rank), Path(out_dir))
-    engine = Engine(load_tiny(Path(model_dir)), group)
+    assert exchange in ("rotate", "allgather"), exchange
+    engine = Engine(load_tiny(Path(model_dir)), group, exchange=cast(Exchange, exchange))
     results = {}
     for length in json.loads(lengths):
         tokens = prompt_tokens(length)

@@ -23,7 +23,7 @@ def tiny_model_dir(request, tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def run_ring(model_dir, size, out_dir):
+def run_ring(model_dir, size, exchange, out_dir):
     addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(size)]
     procs = [
         spawn_rank(
@@ -36,6 +36,7 @@ def run_ring(model_dir, size, out_dir):
                 json.dumps(LENGTHS),
                 str(CHUNK_TOKENS),
                 str(out_dir),
+                exchange,
             ],
             rank_environment(threads=1),
         )
@@ -50,9 +51,12 @@ def reference(model, tokens):
     return logits, greedy
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_ring_matches_single_device(tiny_model_dir, size, tmp_path):
-    run_ring(tiny_model_dir, size, tmp_path)
+@pytest.mark.parametrize(
+    ("size", "exchange"),
+    [(2, "rotate"), (3, "rotate"), (4, "rotate"), (2, "allgather"), (3, "allgather")],
+)
+def test_ring_matches_single_device(tiny_model_dir, size, exchange, tmp_path):
+    run_ring(tiny_model_dir, size, exchange, tmp_path)
     model = load_tiny(tiny_model_dir)
     for rank in range(size):
         decoded = json.loads((tmp_path / f"tokens-rank{rank}.json").read_text())
