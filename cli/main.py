@@ -11,7 +11,9 @@ from cli.local_run import run
 from cli.options import build_spec, job_options
 from cli.render import describe, nodes_table, print_result, result_json, status_json, watch
 from cli.services import demo, dispatcher, node, up
+from jobs.cancel import cancel_job
 from jobs.errors import RingqError
+from jobs.lifecycle import JobState
 from jobs.schemas import JobKind
 from jobs.store import JobStore
 from jobs.submit import submit_job
@@ -98,6 +100,20 @@ def result(job_id, as_json):
         print_result(console, payload)
     if record.error:
         sys.exit(1)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def cancel(job_id, as_json):
+    """Cancel a job: a queued one never starts, a running one stops at its next chunk."""
+    record = cancel_job(redis_connection(), job_id)
+    if as_json:
+        echo_json(status_json(record))
+    elif record.state == JobState.CANCELLED:
+        click.echo(f"{record.id} cancelled")
+    else:
+        click.echo(f"{record.id} cancelling: its ranks stop at the next chunk or decode step")
 
 
 @cli.command()

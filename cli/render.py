@@ -57,7 +57,8 @@ def print_result(console: Console, payload: dict[str, Any]) -> None:
         console.print(payload["text"].strip(), markup=False, highlight=False)
         console.print()
     if payload.get("error"):
-        console.print(f"[red]failed:[/red] {payload['error']}", highlight=False)
+        state = payload["state"]  # failed or cancelled
+        console.print(f"[red]{state}:[/red] {payload['error']}", highlight=False)
         return
     if payload.get("prompt_tokens") is None:
         console.print(f"state: {payload['state']} (no result yet)")

@@ -15,6 +15,10 @@ def job_tokens(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:tokens"  # JSON list of prompt token ids
 
 
+def job_cancel(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:cancel"  # set when cancel is asked; the job's ranks poll it
+
+
 def node(name: str) -> str:
     return f"{PREFIX}:node:{name}"  # JSON NodeInfo, expires unless the agent heartbeats
 

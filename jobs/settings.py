@@ -2,6 +2,7 @@
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import platformdirs
 from pydantic import Field
@@ -21,6 +22,11 @@ class Settings(BaseSettings):
     blas: str = Field(default="auto", description="'auto' preloads OpenBLAS on CPU nodes; 'off'.")
     default_model: str = "smollm2"
     prefill_chunk_tokens: int = Field(default=512, gt=0)
+    exchange: Literal["auto", "rotate", "allgather"] = Field(
+        default="auto",
+        description="How ring ranks share K/V: auto = allgather on CUDA nodes (NCCL has no "
+        "send/recv), rotate elsewhere.",
+    )
     ring_min_tokens: int = Field(
         default=1024, gt=0, description="Automatic placement runs shorter prompts on one node."
     )
@@ -30,6 +36,12 @@ class Settings(BaseSettings):
     rank_port_span: int = Field(default=500, gt=0)
     max_document_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     job_ttl_s: int = Field(default=7 * 24 * 3600, gt=0)
+    stall_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="A rank with no progress (chunk, decode step) for this long dumps its threads "
+        "and exits, failing the job.",
+    )
 
 
 @lru_cache(maxsize=1)

@@ -1,12 +1,20 @@
 """Where a rank reads its job and reports back: Redis (the service) or files (`ringq run`)."""
 
 import json
+import logging
+import math
+import time
 from pathlib import Path
 from typing import Protocol
 
+from jobs.cancel import cancel_requested, mark_cancelled
+from jobs.errors import IllegalTransitionError
 from jobs.lifecycle import JobState
 from jobs.schemas import JobResult, JobSpec, Progress
 from jobs.store import JobStore
+
+log = logging.getLogger(__name__)
+CANCEL_POLL_INTERVAL_S = 0.2  # Redis is asked at most this often (every rank, chunk and step)
 
 
 class JobIO(Protocol):
@@ -18,12 +26,16 @@ class JobIO(Protocol):
     def progress(self, progress: Progress) -> None: ...
     def finish(self, result: JobResult) -> None: ...
     def fail(self, reason: str) -> None: ...
+    def should_stop(self) -> bool: ...
+    def cancelled(self, reason: str) -> None: ...
 
 
 class RedisJobIO:
     def __init__(self, store: JobStore, job_id: str):
         self.store = store
         self.job_id = job_id
+        self._stop = False
+        self._polled_at_s = -math.inf
 
     def spec(self) -> JobSpec:
         return self.store.get(self.job_id).spec
@@ -32,9 +44,16 @@ class RedisJobIO:
         return self.store.get_tokens(self.job_id)
 
     def enter(self, phase: JobState, total: int) -> None:
+        """Move the job to `phase`; a job cancelled meanwhile stays cancelled (its ranks stop at
+        their next agreement, since the cancel flag is set before the state changes)."""
         processed = total if phase == JobState.DECODE else 0
         progress = Progress(phase=phase, processed=processed, total=total)
-        self.store.transition(self.job_id, phase, progress=progress)
+        try:
+            self.store.transition(self.job_id, phase, progress=progress)
+        except IllegalTransitionError:
+            if self.store.get(self.job_id).state != JobState.CANCELLED:
+                raise
+            log.info("job %s: cancelled, not entering %s", self.job_id, phase)
 
     def progress(self, progress: Progress) -> None:
         self.store.set_progress(self.job_id, progress)
@@ -47,9 +66,21 @@ class RedisJobIO:
     def fail(self, reason: str) -> None:
         self.store.fail(self.job_id, reason)
 
+    def should_stop(self) -> bool:
+        """Whether cancel was asked; reads Redis at most every CANCEL_POLL_INTERVAL_S."""
+        now = time.monotonic()
+        if not self._stop and now - self._polled_at_s >= CANCEL_POLL_INTERVAL_S:
+            self._polled_at_s = now
+            self._stop = cancel_requested(self.store.conn, self.job_id)
+        return self._stop
+
+    def cancelled(self, reason: str) -> None:
+        mark_cancelled(self.store, self.job_id, reason)
+
 
 class FileJobIO:
-    """Job from a JSON file {id, spec, tokens}; events appended as JSON lines for the parent."""
+    """Job from a JSON file {id, spec, tokens}; events appended as JSON lines for the parent.
+    Nothing cancels a file job (Ctrl-C on `ringq run` ends its ranks)."""
 
     def __init__(self, job_path: Path, events_path: Path):
         job = json.loads(job_path.read_text())
@@ -74,6 +105,12 @@ class FileJobIO:
         self._write("result", result.model_dump(mode="json"))
 
     def fail(self, reason: str) -> None:
+        self._write("error", reason)
+
+    def should_stop(self) -> bool:
+        return False
+
+    def cancelled(self, reason: str) -> None:
         self._write("error", reason)
 
     def _write(self, event: str, data: object) -> None:

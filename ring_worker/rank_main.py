@@ -9,72 +9,119 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
 from jobs.lifecycle import JobState
-from jobs.model_catalog import load_tokenizer, resolve_model
-from jobs.schemas import GroupSpec, JobKind, JobResult, Progress
+from jobs.model_catalog import ChatTokenizer, load_tokenizer, resolve_model
+from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
 from jobs.settings import get_settings
-from ring_worker.engine import Engine
+from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
 from ring_worker.group import join_group
 from ring_worker.job_io import FileJobIO, JobIO, RedisJobIO
 from ring_worker.models import load_model
+from ring_worker.watchdog import Watchdog, loading_timeout_s
 
 log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.25
 
 
-def run_rank(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path) -> None:
+def run_rank(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path, watchdog: Watchdog) -> None:
     lead = rank == 0
     started = time.perf_counter()
-    spec = io.spec()
-    tokens = io.tokens()
+    spec, tokens = io.spec(), io.tokens()
     if lead:
         io.enter(JobState.LOADING, len(tokens))
-    mx_group = join_group(group.addresses, rank, scratch_dir)
-    source = resolve_model(group.model)
-    cpu = on_cpu()  # CPU: dense float32 (4-bit / bf16 matmul is ~10-20x slower there)
-    model = load_model(source, dtype=mx.float32 if cpu else None, dequantize=cpu)
-    tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
-    engine = Engine(model, mx_group)
+    engine, tokenizer = start_engine(group, rank, io, scratch_dir)
     load_s = time.perf_counter() - started
     log.info("job %s rank %d: loaded %s in %.1fs", io.job_id, rank, group.model, load_s)
 
-    report = throttled(io, lead)
-    if lead:
-        io.enter(JobState.PREFILL, len(tokens))
-    prefill = engine.prefill(tokens, group.chunk_tokens, on_progress=report)
-    generated: list[int] = []
-    decode_s = 0.0
+    report = kicking(watchdog, throttled(io, lead))
+    enter(io, lead, watchdog, JobState.PREFILL, len(tokens))
+    prefill = engine.prefill(
+        tokens, group.chunk_tokens, on_progress=report, should_stop=io.should_stop
+    )
+    decoded = DecodeResult([], 0.0)
     if spec.kind == JobKind.GENERATE:
-        if lead:
-            io.enter(JobState.DECODE, len(tokens))
+        enter(io, lead, watchdog, JobState.DECODE, len(tokens))
         decoded = engine.decode(
             prefill,
             spec.max_tokens,
             temperature=spec.temperature,
             stop_ids=tokenizer.eos_token_ids,
             on_progress=report,
+            should_stop=io.should_stop,
         )
-        generated, decode_s = decoded.tokens, decoded.seconds
+    watchdog.kick("finishing")
     peaks = engine.gather_ints(mx.get_peak_memory())
     if lead:
-        text = tokenizer.decode([t for t in generated if t not in tokenizer.eos_token_ids])
-        io.finish(
-            JobResult(
-                text=text if spec.kind == JobKind.GENERATE else None,
-                prompt_tokens=len(tokens),
-                generated_tokens=len(generated),
-                prompt_tps=len(tokens) / prefill.seconds,
-                generation_tps=len(generated) / decode_s if decode_s else 0.0,
-                load_s=load_s,
-                prefill_s=prefill.seconds,
-                decode_s=decode_s,
-                peak_memory_bytes=peaks,
-            )
-        )
+        io.finish(job_result(spec, tokenizer, len(tokens), load_s, prefill, decoded, peaks))
     log.info("job %s rank %d: done", io.job_id, rank)
+
+
+def start_engine(
+    group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path
+) -> tuple[Engine, ChatTokenizer]:
+    """Join the group and load the model; ranks of a job cancelled meanwhile stop together."""
+    mx_group = join_group(group.addresses, rank, scratch_dir)
+    stop_if_cancelled(mx_group, io, "before loading the model")
+    source = resolve_model(group.model)
+    cpu = on_cpu()  # CPU: dense float32 (4-bit / bf16 matmul is ~10-20x slower there)
+    model = load_model(source, dtype=mx.float32 if cpu else None, dequantize=cpu)
+    tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
+    stop_if_cancelled(mx_group, io, "after loading the model")
+    return Engine(model, mx_group, exchange=group.exchange), tokenizer
+
+
+def stop_if_cancelled(mx_group: Any, io: JobIO, when: str) -> None:
+    """The ranks agree (one tiny collective) whether the job was cancelled; all raise if so."""
+    votes = mx.array([int(io.should_stop())], dtype=mx.int32)
+    if mx_group is not None:
+        votes = mx.distributed.all_sum(votes, group=mx_group)
+    if votes.item():
+        raise Cancelled(f"stopped {when}")
+
+
+def enter(io: JobIO, lead: bool, watchdog: Watchdog, phase: JobState, total: int) -> None:
+    watchdog.kick(phase.value)
+    if lead:
+        io.enter(phase, total)
+
+
+def job_result(
+    spec: JobSpec,
+    tokenizer: ChatTokenizer,
+    prompt_tokens: int,
+    load_s: float,
+    prefill: PrefillResult,
+    decoded: DecodeResult,
+    peaks: list[int],
+) -> JobResult:
+    generated = decoded.tokens
+    text = tokenizer.decode([t for t in generated if t not in tokenizer.eos_token_ids])
+    return JobResult(
+        text=text if spec.kind == JobKind.GENERATE else None,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=len(generated),
+        prompt_tps=prompt_tokens / prefill.seconds,
+        generation_tps=len(generated) / decoded.seconds if decoded.seconds else 0.0,
+        load_s=load_s,
+        prefill_s=prefill.seconds,
+        decode_s=decoded.seconds,
+        peak_memory_bytes=peaks,
+    )
+
+
+def kicking(watchdog: Watchdog, report: ProgressFn) -> ProgressFn:
+    """The engine's progress callback (every rank, each chunk / decode step): a watchdog kick,
+    then the throttled report."""
+
+    def on_progress(phase: str, done: int, total: int) -> None:
+        watchdog.kick(phase)
+        report(phase, done, total)
+
+    return on_progress
 
 
 @dataclass
@@ -129,12 +176,29 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s job={group.job_id} rank={args.rank} %(message)s",
     )
     io = make_io(args, group)
+    return run_guarded(group, args.rank, io, args.group.parent)
+
+
+def run_guarded(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path) -> int:
+    """The process edge: a watchdog over the whole run; cancel exits 0 on every rank (rank 0
+    records it); any other error is recorded on the job and exits 1."""
+    where = f"rank {rank} ({group.nodes[rank]})"
+    stall_timeout_s = get_settings().stall_timeout_s
+    watchdog = Watchdog(
+        group.job_id, rank, stall_timeout_s, on_stall=lambda reason: io.fail(f"{where}: {reason}")
+    ).start("loading", loading_timeout_s(stall_timeout_s))
     try:
-        run_rank(group, args.rank, io, args.group.parent)
+        run_rank(group, rank, io, scratch_dir, watchdog)
+    except Cancelled as exc:
+        log.info("job %s rank %d: cancelled, %s", group.job_id, rank, exc)
+        if rank == 0:
+            io.cancelled(f"cancelled: {exc}")
     except Exception as exc:  # process edge: record why, then exit non-zero
-        log.exception("job %s rank %d failed", group.job_id, args.rank)
-        io.fail(f"rank {args.rank} ({group.nodes[args.rank]}): {type(exc).__name__}: {exc}")
+        log.exception("job %s rank %d failed", group.job_id, rank)
+        io.fail(f"{where}: {type(exc).__name__}: {exc}")
         return 1
+    finally:
+        watchdog.stop()
     return 0
 
 

@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,15 +10,9 @@ import redis
 
 from jobs.redis_server import connect, ensure_redis
 from jobs.settings import Settings, get_settings
+from tests.helpers import short_tmp_dir
 
 _SAVED_ENV: dict[str, str | None] = {}
-
-
-def short_tmp_dir(prefix: str) -> Path:
-    """A fresh dir under /tmp: unix socket paths must stay under ~104 bytes (macOS's $TMPDIR
-    alone is ~50)."""
-    base = "/tmp" if os.path.isdir("/tmp") else None
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -93,12 +86,10 @@ def broken_model_dir(tiny_llama_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def cluster(redis_url, tmp_path_factory):
-    """`ringq up` in-process: dispatcher + node-0, node-1 as real processes on the test Redis."""
-    from cli.services import LocalCluster
+def cluster():
+    """`ringq up` in-process: its own Redis, a dispatcher and node-0, node-1 as real processes
+    (not the `redis_url` server, which other tests flush)."""
+    from tests.helpers import private_cluster
 
-    settings = Settings(redis_url=redis_url, home=tmp_path_factory.mktemp("cluster-home"))
-    connect(redis_url).flushall()
-    with LocalCluster(settings, 2, extra_env={"RINGQ_PREFILL_CHUNK_TOKENS": "128"}) as running:
-        running.wait_ready()
+    with private_cluster("node", {"RINGQ_PREFILL_CHUNK_TOKENS": "128"}) as running:
         yield running

@@ -4,7 +4,6 @@ tokenizer."""
 
 import time
 
-import psutil
 import pytest
 
 from jobs.errors import UnknownModelError
@@ -13,6 +12,7 @@ from jobs.redis_server import connect
 from jobs.schemas import JobSpec
 from jobs.store import JobStore
 from jobs.submit import submit_job
+from tests.helpers import rank_processes
 
 JOB_TIMEOUT_S = 120
 DOCUMENT = "Ring attention splits a long prompt over several machines. " * 40
@@ -103,12 +103,3 @@ def test_dispatcher_and_nodes_survive_bad_jobs(cluster, store, tiny_llama_dir):
     cluster.check_children()
     record = run_job(store, generate(tiny_llama_dir, ring_size=2))
     assert record.state == JobState.FINISHED
-
-
-def rank_processes(group_id):
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if "ring_worker.rank_main" in cmdline and group_id in cmdline:
-            found.append(proc.pid)
-    return found

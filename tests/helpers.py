@@ -1,0 +1,92 @@
+"""Helpers shared by tests that run whole clusters and rank processes."""
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+
+from cli.services import LocalCluster
+from jobs.lifecycle import JobState
+from jobs.schemas import JobRecord, Placement
+from jobs.settings import Settings
+from jobs.store import JobStore
+
+WAIT_S = 60
+LONG_DOCUMENT = "Ring attention splits a long prompt over several machines. " * 300  # ~3,000 tok
+
+
+def short_tmp_dir(prefix: str) -> Path:
+    """A fresh dir under /tmp: unix socket paths must stay under ~104 bytes (macOS's $TMPDIR
+    alone is ~50)."""
+    base = "/tmp" if os.path.isdir("/tmp") else None
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+@contextmanager
+def private_cluster(name_prefix: str, env: dict[str, str]) -> Iterator[LocalCluster]:
+    """Its own Redis, dispatcher and two nodes: the session cluster shares its Redis with tests
+    that flush it, and these tests stop its processes."""
+    home = short_tmp_dir(f"ringq-{name_prefix}-")
+    try:
+        settings = Settings(home=home, redis_url=None)
+        with LocalCluster(settings, 2, name_prefix=name_prefix, extra_env=env) as running:
+            running.wait_ready()
+            yield running
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def in_prefill(record: JobRecord) -> JobRecord | None:
+    if record.state.is_final:
+        raise AssertionError(f"job ended before it could be cancelled: {record}")
+    started = record.state == JobState.PREFILL and record.progress.processed > 0
+    return record if started else None
+
+
+def final_record(store: JobStore, job_id: str) -> JobRecord | None:
+    record = store.get(job_id)
+    return record if record.state.is_final else None
+
+
+def rank_processes(group_id: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "ring_worker.rank_main" in cmdline and group_id in cmdline:
+            found.append(proc.pid)
+    return found
+
+
+@contextmanager
+def stopped(pids: list[int]) -> Iterator[None]:
+    """SIGSTOP the processes for the block, SIGCONT them after, whatever happens."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def wait_for(check: Callable[[], object], what: str, timeout_s: float = WAIT_S):
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+def child_pid(cluster, label: str) -> int:
+    return next(process.pid for name, process, _ in cluster.children if name == label)
+
+
+def rank_log(cluster, placement: Placement, rank: int) -> str:
+    path = cluster.settings.home / "logs" / f"{placement.group_id}-rank{rank}.log"
+    return path.read_text(errors="replace") if path.exists() else ""

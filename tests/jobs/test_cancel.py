@@ -1,0 +1,144 @@
+"""Cancel, for real: a dispatcher and two node agents as processes, ring ranks as MLX processes.
+SIGSTOP freezes a service or the ring at a chosen moment, so each cancel lands in the state under
+test however fast the tiny model runs."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from cli.services import LocalCluster
+from jobs import keys
+from jobs.cancel import cancel_job
+from jobs.lifecycle import JobState
+from jobs.redis_server import connect
+from jobs.schemas import JobKind, JobRecord, JobSpec, Placement, Progress
+from jobs.store import JobStore
+from jobs.submit import submit_job
+from tests.helpers import (
+    LONG_DOCUMENT,
+    child_pid,
+    final_record,
+    in_prefill,
+    private_cluster,
+    rank_log,
+    rank_processes,
+    stopped,
+    wait_for,
+)
+
+
+@pytest.fixture(scope="module")
+def cancel_cluster() -> Iterator[LocalCluster]:
+    env = {"RINGQ_PREFILL_CHUNK_TOKENS": "128", "RINGQ_RANK_PORT_BASE": "31200"}
+    with private_cluster("cancel", env) as running:
+        yield running
+
+
+@pytest.fixture
+def store(cancel_cluster):
+    return JobStore(connect(cancel_cluster.url))
+
+
+def prefill_spec(model_dir) -> JobSpec:
+    return JobSpec(kind=JobKind.PREFILL, document=LONG_DOCUMENT, model=str(model_dir), ring_size=2)
+
+
+def test_cancel_queued_job_never_starts(cancel_cluster, store, tiny_llama_dir):
+    with stopped([child_pid(cancel_cluster, "dispatcher")]):
+        record = submit_job(store.conn, prefill_spec(tiny_llama_dir))
+        cancelled = cancel_job(store.conn, record.id)
+        assert cancelled.state == JobState.CANCELLED
+        assert cancelled.error == "cancelled before it started"
+    admit = Job.fetch(f"admit-{record.id}", connection=store.conn, serializer=JSONSerializer)
+    wait_for(lambda: admit.get_status(refresh=True) == "finished", "the dispatcher's admit")
+    assert admit.return_value() == "skipped (cancelled)"
+    final = store.get(record.id)
+    assert final.state == JobState.CANCELLED and final.placement is None
+
+
+def test_cancel_admitted_job_its_ranks_exit_cleanly(cancel_cluster, store, tiny_llama_dir):
+    agents = [child_pid(cancel_cluster, name) for name in cancel_cluster.node_names]
+    with stopped(agents):  # the dispatcher places the job; no rank starts until they resume
+        record = submit_job(store.conn, prefill_spec(tiny_llama_dir))
+        wait_for(lambda: store.get(record.id).state != JobState.QUEUED, "admission")
+        assert cancel_job(store.conn, record.id).state == JobState.CANCELLED
+    placement = store.get(record.id).placement
+    assert placement is not None
+    for rank in range(2):  # the ranks still start, agree at startup and exit 0
+        wait_for(
+            lambda r=rank: "cancelled" in rank_log(cancel_cluster, placement, r), f"rank {rank}"
+        )
+    assert_group_ended_cleanly(store, placement)
+    final = store.get(record.id)
+    assert final.state == JobState.CANCELLED and final.error == "cancelled before it started"
+
+
+def test_cancel_running_job_stops_every_rank_at_a_chunk(cancel_cluster, store, tiny_llama_dir):
+    record = submit_job(store.conn, prefill_spec(tiny_llama_dir))
+    record = wait_for(lambda: in_prefill(store.get(record.id)), "prefill to start")
+    assert record.placement is not None
+    ranks = rank_processes(record.placement.group_id)
+    assert len(ranks) == 2
+    with stopped(ranks):  # the ring waits mid-prefill while `ringq cancel` runs
+        proc = ringq("cancel", record.id, "--json", url=cancel_cluster.url)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["state"] == JobState.PREFILL
+    final = wait_for(lambda: final_record(store, record.id), "the job to end")
+    assert final.state == JobState.CANCELLED, final.error
+    assert final.error is not None
+    done, total = map(
+        int, re.findall(r"stopped after (\d+) of (\d+) prompt tokens", final.error)[0]
+    )
+    assert 0 < done < total
+    assert final.result is None and final.progress.phase == JobState.CANCELLED
+    assert_group_ended_cleanly(store, record.placement)
+    for rank in range(2):
+        assert "cancelled, stopped after" in rank_log(cancel_cluster, record.placement, rank)
+
+
+def test_cancel_of_a_finished_or_unknown_job_is_an_error(cancel_cluster, store):
+    finished = finished_record(store, "cancel-finished")
+    proc = ringq("cancel", finished.id, url=cancel_cluster.url)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "job cancel-finished is already finished" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not store.conn.exists(keys.job_cancel(finished.id))
+    unknown = ringq("cancel", "no-such-job", "--json", url=cancel_cluster.url)
+    assert unknown.returncode == 1 and "no job 'no-such-job'" in unknown.stderr
+
+
+def finished_record(store: JobStore, job_id: str) -> JobRecord:
+    """A job record walked through the lifecycle to `finished` (no ranks needed)."""
+    store.create(job_id, JobSpec(kind=JobKind.PREFILL, document="short"))
+    placement = Placement(
+        strategy="single", ring_size=1, nodes=["x"], group_id="g", bytes_per_node=1
+    )
+    store.transition(job_id, JobState.ADMITTED, placement=placement)
+    for state in (JobState.LOADING, JobState.PREFILL):
+        store.transition(job_id, state)
+    return store.transition(job_id, JobState.FINISHED, progress=Progress(phase=JobState.FINISHED))
+
+
+def assert_group_ended_cleanly(store: JobStore, placement: Placement) -> None:
+    wait_for(lambda: not rank_processes(placement.group_id), "the ranks to exit")
+    time.sleep(0.5)  # node agents reap exited ranks every 0.2 s; a non-zero exit marks the group
+    assert not store.conn.exists(keys.group_failed(placement.group_id))
+
+
+def ringq(*args: str, url: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RINGQ_REDIS_URL": url}
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
