@@ -31,8 +31,33 @@ from ring_worker.local_group import LocalRunError, run_local
     default=None,
     help="Prefill chunk (default RINGQ_PREFILL_CHUNK_TOKENS).",
 )
+@click.option(
+    "--exchange",
+    type=click.Choice(["rotate", "allgather"]),
+    default="rotate",
+    show_default=True,
+    help="How ring ranks share K/V blocks.",
+)
+@click.option(
+    "--decode-kv",
+    type=click.Choice(["replicated", "sharded"]),
+    default="replicated",
+    show_default=True,
+    help="KV layout on the ring's ranks.",
+)
 def run(
-    kind, file, model, prompt, max_tokens, temperature, as_json, sharding, ring_size, chunk_tokens
+    kind,
+    file,
+    model,
+    prompt,
+    max_tokens,
+    temperature,
+    as_json,
+    sharding,
+    ring_size,
+    chunk_tokens,
+    exchange,
+    decode_kv,
 ):
     """Run a job on this machine with local rank processes (no Redis): quick use and benchmarks."""
     settings = get_settings()
@@ -59,6 +84,8 @@ def run(
             chunk_tokens or settings.prefill_chunk_tokens,
             scratch_root=settings.home / "runs",
             blas=settings.blas,
+            exchange=exchange,
+            decode_kv=decode_kv,
             on_progress=on_progress,
         ),
         Progress(phase=JobState.LOADING, total=len(tokens)),

@@ -71,6 +71,7 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         chunk_tokens=settings.prefill_chunk_tokens,
         strategy=plan.strategy,
         exchange=choose_exchange(settings, [by_name[name] for name in plan.nodes]),
+        decode_kv=settings.decode_kv,
     )
     store.set_tokens(job_id, tokens)
     placement = Placement(

@@ -10,7 +10,13 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from ring_worker.ring_attention import ChunkSplit, Exchange, Ring, install_ring_attention
+from ring_worker.ring_attention import (
+    ChunkSplit,
+    Exchange,
+    KVLayout,
+    Ring,
+    install_ring_attention,
+)
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
 StopFn = Callable[[], bool]  # asked on every rank at each chunk / decode step
@@ -37,10 +43,16 @@ class DecodeResult:
 class Engine:
     """One model on one rank; `ring` is None for the single-device path (plain mlx-lm)."""
 
-    def __init__(self, model: nn.Module, group: Any = None, exchange: Exchange = "rotate"):
+    def __init__(
+        self,
+        model: nn.Module,
+        group: Any = None,
+        exchange: Exchange = "rotate",
+        kv_layout: KVLayout = "replicated",
+    ):
         self.model = model
         multi = group is not None and group.size() > 1
-        self.ring = Ring(group, exchange) if multi else None
+        self.ring = Ring(group, exchange, kv_layout) if multi else None
         if self.ring is not None:
             install_ring_attention(model, self.ring)
 
@@ -61,6 +73,8 @@ class Engine:
             raise ValueError("cannot prefill an empty prompt")
         started = time.perf_counter()
         cache = make_prompt_cache(self.model)
+        if self.ring is not None:
+            self.ring.position, self.ring.past_lengths = 0, [0] * self.ring.size
         total = len(tokens)
         hidden = None
         for start in range(0, total, chunk_tokens):
@@ -78,18 +92,29 @@ class Engine:
         """Run one chunk; return the final hidden state on rank 0 (which holds the last token)."""
         ring = self.ring
         if ring is None or len(chunk) < 2 * ring.size:
-            # Too short to split: every rank runs the whole chunk (identical results everywhere).
-            hidden = self.model.model(mx.array([chunk]), cache=cache)
-            mx.eval(hidden, [c.state for c in cache])
+            # Too short to split: every rank runs the whole chunk (identical results everywhere;
+            # with sharded KV only the step owner, rank 0, keeps its K/V).
+            if ring is not None:
+                ring.step_owner = 0
+            hidden = self._forward(chunk, cache)
+            if ring is not None:
+                ring.past_lengths[0] += len(chunk)
+                ring.position += len(chunk)
             return hidden[:, -1:]
-        ring.split = ChunkSplit.zigzag(len(chunk), ring.size)
+        split = ChunkSplit.zigzag(len(chunk), ring.size)
+        ring.split = split
         try:
-            local = ring.split.local_tokens(chunk, ring.rank)
-            hidden = self.model.model(mx.array([local]), cache=cache)
-            mx.eval(hidden, [c.state for c in cache])
+            hidden = self._forward(split.local_tokens(chunk, ring.rank), cache)
         finally:
             ring.split = None
+        ring.past_lengths = [n + split.local_length(r) for r, n in enumerate(ring.past_lengths)]
+        ring.position += len(chunk)
         return hidden[:, -1:] if ring.rank == ChunkSplit.last_token_rank else None
+
+    def _forward(self, tokens: list[int], cache: list[Any]) -> mx.array:
+        hidden = self.model.model(mx.array([tokens]), cache=cache)
+        mx.eval(hidden, [c.state for c in cache])
+        return hidden
 
     def _share_last_logits(self, hidden: mx.array | None) -> mx.array:
         """Logits of the last prompt position only, broadcast from rank 0, which holds it."""
@@ -130,9 +155,19 @@ class Engine:
                 on_progress("decode", len(tokens), max_tokens)
             if token in stop_ids or len(tokens) == max_tokens:
                 break
-            out = self.model(mx.array([[token]]), cache=prefill.cache)
-            logits = out[0, -1].astype(mx.float32)
+            logits = self._decode_step(token, prefill.cache)
         return DecodeResult(tokens, time.perf_counter() - started)
+
+    def _decode_step(self, token: int, cache: list[Any]) -> mx.array:
+        """Logits after `token`. Sharded KV: the step's K/V go to rank position % N, in turn."""
+        ring = self.ring
+        if ring is not None:
+            ring.step_owner = ring.position % ring.size
+        logits = self.model(mx.array([[token]]), cache=cache)[0, -1].astype(mx.float32)
+        mx.eval(logits)  # every rank, now: sharded steps hold collectives every rank must join
+        if ring is not None:
+            ring.position += 1
+        return logits
 
     def _sampled(self, sampled: mx.array) -> int:
         """Rank 0's sample counts; other ranks contribute 0 to the sum."""

@@ -71,7 +71,7 @@ def start_engine(
     model = load_model(source, dtype=mx.float32 if cpu else None, dequantize=cpu)
     tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
     stop_if_cancelled(mx_group, io, "after loading the model")
-    return Engine(model, mx_group, exchange=group.exchange), tokenizer
+    return Engine(model, mx_group, group.exchange, group.decode_kv), tokenizer
 
 
 def stop_if_cancelled(mx_group: Any, io: JobIO, when: str) -> None:

@@ -8,8 +8,14 @@ absolute positions) and the ranks share their K/V:
   log-sum-exp; block pairs wholly in a query block's future are never computed.
 - `allgather`: one all_gather per layer, then one causal attention call per query block over
   its whole prefix (MLX aligns the causal mask to the end when queries are fewer than keys).
-Either way every rank keeps every block, so after a chunk each rank's KV cache holds the whole
-chunk in order: replicated KV, and decode is plain mlx-lm on every rank.
+KV layouts after each chunk:
+- `replicated`: every rank keeps every block (the whole prompt in order); decode is plain mlx-lm
+  on every rank.
+- `sharded`: a rank keeps only its own blocks, so per-rank KV is 1/N. Each rank's past KV then
+  travels with its blocks (rotate) or is gathered per layer (allgather), transiently, one layer
+  at a time. A decode step (or a chunk too short to split) runs the new tokens on every rank; one
+  owner rank stores their K/V; every rank attends over its own KV and the partial results are
+  merged with log-sum-exp after one all_gather per layer.
 """
 
 from collections.abc import Callable
@@ -23,6 +29,7 @@ import mlx.nn as nn
 PAST_TILE_TOKENS = 4096
 
 Exchange = Literal["rotate", "allgather"]
+KVLayout = Literal["replicated", "sharded"]
 KV = tuple[mx.array, mx.array]
 
 
@@ -66,7 +73,11 @@ class Ring:
 
     group: Any  # mx.distributed.Group
     exchange: Exchange = "rotate"
-    split: ChunkSplit | None = None
+    kv_layout: KVLayout = "replicated"
+    split: ChunkSplit | None = None  # set while a chunk is prefilled over the ring
+    position: int = 0  # absolute position of the first token of the current step
+    past_lengths: list[int] = field(default_factory=list)  # sharded: tokens each rank holds
+    step_owner: int = 0  # sharded: the rank that stores the current step's K/V
     send_stream: Any = field(default_factory=lambda: mx.new_stream(mx.cpu))
     recv_stream: Any = field(default_factory=lambda: mx.new_stream(mx.cpu))
 
@@ -105,12 +116,23 @@ def partial_attention(
 
 def merge_partials(parts: list[tuple[mx.array, mx.array]]) -> mx.array:
     """Combine partial attentions over disjoint key sets into the exact softmax attention."""
+    return merge_with_lse(parts)[0]
+
+
+def merge_with_lse(parts: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:
+    """merge_partials, keeping the combined log-sum-exp (to merge again across ranks). A part
+    over no keys is (0, -inf) and drops out."""
     out, lse = parts[0]
     for other_out, other_lse in parts[1:]:
         new_lse = mx.logaddexp(lse, other_lse)
-        out = out * mx.exp(lse - new_lse) + other_out * mx.exp(other_lse - new_lse)
+        out = out * safe_exp(lse - new_lse) + other_out * safe_exp(other_lse - new_lse)
         lse = new_lse
-    return out
+    return out, lse
+
+
+def safe_exp(x: mx.array) -> mx.array:
+    """exp, with nan (from -inf - -inf) read as 0: a part over no keys weighs nothing."""
+    return mx.where(mx.isnan(x), 0.0, mx.exp(x))
 
 
 def visibility(query_block: int, key_block: int) -> str:
@@ -141,7 +163,9 @@ def split_pair(kv: KV, first_length: int) -> tuple[KV, KV]:
     return first, second
 
 
-def rotate_blocks(ring: Ring, mine: KV, attend: Callable[[int, KV], list[mx.array]]) -> list[KV]:
+def rotate_blocks(
+    ring: Ring, mine: KV, attend: Callable[[int, KV], list[mx.array]], lengths: list[int]
+) -> list[KV]:
     """Pass each rank's K/V around the ring; call attend(src, kv) on each while the next one
     travels. Returns every rank's K/V in rank order.
 
@@ -159,7 +183,7 @@ def rotate_blocks(ring: Ring, mine: KV, attend: Callable[[int, KV], list[mx.arra
         pending: list[mx.array] = []
         if step < size - 1:
             incoming = (rank - step - 1) % size
-            pending = post_exchange(ring, kv, ring.split.local_length(incoming))
+            pending = post_exchange(ring, kv, lengths[incoming])
             mx.async_eval(pending)
         computed = attend(src, kv)
         mx.eval(*pending, *computed)
@@ -185,18 +209,18 @@ def post_exchange(ring: Ring, kv: KV, incoming_length: int) -> list[mx.array]:
     return [*sends, *recvs]
 
 
-def gather_blocks(ring: Ring, mine: KV) -> list[KV]:
-    """Every rank's K/V with one all_gather each (padded to the longest rank, then trimmed)."""
-    assert ring.split is not None
-    lengths = [ring.split.local_length(r) for r in range(ring.size)]
-    gathered = []
-    for a in mine:
-        pad = max(lengths) - a.shape[2]
-        padded = mx.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else a
-        gathered.append(mx.distributed.all_gather(padded, group=ring.group))
-    keys, values = gathered
+def gather_blocks(ring: Ring, mine: KV, lengths: list[int]) -> list[KV]:
+    """Every rank's K/V with one all_gather (K and V side by side, padded to the longest rank,
+    then trimmed). One collective, so every rank pairs them up in the same order."""
+    k, v = mine
+    both = mx.concatenate([k, v.astype(k.dtype)], axis=-1)
+    pad = max(lengths) - both.shape[2]
+    if pad:
+        both = mx.pad(both, [(0, 0), (0, 0), (0, pad), (0, 0)])
+    gathered = mx.distributed.all_gather(both, group=ring.group)
+    dim = k.shape[-1]
     return [
-        (keys[r : r + 1, :, :length], values[r : r + 1, :, :length])
+        (gathered[r : r + 1, :, :length, :dim], gathered[r : r + 1, :, :length, dim:])
         for r, length in enumerate(lengths)
     ]
 
@@ -211,7 +235,8 @@ def blocks_in_order(split: ChunkSplit, per_rank: list[KV]) -> list[KV]:
 
 
 class RingAttention(nn.Module):
-    """Wraps one mlx-lm attention module; runs the ring while `ring.split` is set."""
+    """Wraps one mlx-lm attention module: a ring chunk while `ring.split` is set, a sharded step
+    when the KV layout is sharded, and the plain module otherwise."""
 
     def __init__(self, inner: nn.Module, ring: Ring):
         super().__init__()
@@ -220,51 +245,104 @@ class RingAttention(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         ring = self._ring
-        if ring.split is None or cache is None:
+        if cache is None:
             return self.inner(x, mask, cache)
-        split, attn = ring.split, self.inner
-        queries, mine = self._project_local(x, cache.offset)
-        if ring.exchange == "allgather":
-            blocks = blocks_in_order(split, gather_blocks(ring, mine))
-            outs = [
-                prefix_attention(attn, q, block, cache, blocks)
-                for q, block in zip(queries, split.blocks_of(ring.rank), strict=True)
-            ]
+        if ring.split is not None:
+            out = self._ring_chunk(x, cache)
+        elif ring.kv_layout == "sharded":
+            out = self._sharded_step(x, cache)
         else:
-            outs, per_rank = self._rotate(queries, mine, cache)
-            blocks = blocks_in_order(split, per_rank)
-        cache.update_and_fetch(
-            mx.concatenate([b[0] for b in blocks], axis=2),
-            mx.concatenate([b[1] for b in blocks], axis=2),
-        )
-        out = mx.concatenate(outs, axis=2).astype(x.dtype)
-        return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1))
+            return self.inner(x, mask, cache)
+        out = out.astype(x.dtype).transpose(0, 2, 1, 3)
+        return self.inner.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
 
-    def _project_local(self, x: mx.array, start: int) -> tuple[list[mx.array], KV]:
-        """Queries of this rank's two blocks, and its K/V (both blocks back to back)."""
-        split, rank = self._ring.split, self._ring.rank
+    def _ring_chunk(self, x: mx.array, cache: Any) -> mx.array:
+        ring = self._ring
+        split = ring.split
         assert split is not None
-        first, second = split.blocks_of(rank)
+        queries, mine = self._project_local(x)
+        sharded = ring.kv_layout == "sharded"
+        payload = with_local_past(mine, cache) if sharded else mine
+        if ring.exchange == "allgather":
+            per_rank = gather_blocks(ring, payload, self._payload_lengths())
+            outs = self._prefix_outputs(queries, per_rank, cache)
+        else:
+            outs, per_rank = self._rotate(queries, payload, cache)
+        kept = [split_past(kv, self._past_length(r))[1] for r, kv in enumerate(per_rank)]
+        blocks = blocks_in_order(split, kept)
+        if sharded:
+            first, second = split.blocks_of(ring.rank)
+            kept_blocks = [blocks[first], blocks[second]]
+        else:
+            kept_blocks = blocks
+        cache.update_and_fetch(
+            mx.concatenate([b[0] for b in kept_blocks], axis=2),
+            mx.concatenate([b[1] for b in kept_blocks], axis=2),
+        )
+        return mx.concatenate(outs, axis=2)
+
+    def _past_length(self, rank: int) -> int:
+        ring = self._ring
+        return ring.past_lengths[rank] if ring.kv_layout == "sharded" else 0
+
+    def _payload_lengths(self) -> list[int]:
+        split = self._ring.split
+        assert split is not None
+        return [self._past_length(r) + split.local_length(r) for r in range(self._ring.size)]
+
+    def _project_local(self, x: mx.array) -> tuple[list[mx.array], KV]:
+        """Queries of this rank's two blocks, and its K/V (both blocks back to back)."""
+        ring = self._ring
+        split, start = ring.split, ring.position
+        assert split is not None
+        first, second = split.blocks_of(ring.rank)
         cut = split.block_length(first)
         qa, ka, va = project_qkv(self.inner, x[:, :cut], start + split.bounds[first])
         qb, kb, vb = project_qkv(self.inner, x[:, cut:], start + split.bounds[second])
         mine = (mx.concatenate([ka, kb], axis=2), mx.concatenate([va, vb], axis=2))
         return [qa, qb], mine
 
+    def _prefix_outputs(
+        self, queries: list[mx.array], per_rank: list[KV], cache: Any
+    ) -> list[mx.array]:
+        """All-gather path: one causal SDPA per query block over every earlier key and its own."""
+        ring = self._ring
+        split = ring.split
+        assert split is not None
+        pasts, kept = zip(
+            *(split_past(kv, self._past_length(r)) for r, kv in enumerate(per_rank)), strict=True
+        )
+        local_past = (
+            [(cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :])]
+            if cache.offset and ring.kv_layout == "replicated"
+            else []
+        )
+        past = local_past + [p for p in pasts if p[0].shape[2]]
+        blocks = blocks_in_order(split, list(kept))
+        return [
+            prefix_attention(self.inner, q, past + blocks[: block + 1])
+            for q, block in zip(queries, split.blocks_of(ring.rank), strict=True)
+        ]
+
     def _rotate(
-        self, queries: list[mx.array], mine: KV, cache: Any
+        self, queries: list[mx.array], payload: KV, cache: Any
     ) -> tuple[list[mx.array], list[KV]]:
         ring, attn = self._ring, self.inner
         split = ring.split
         assert split is not None
         own_blocks = split.blocks_of(ring.rank)
         grouped = [group_heads(q, attn.n_kv_heads) for q in queries]
-        parts = [attend_past(q, cache, attn.scale) for q in grouped]
+        local_past = attend_past if ring.kv_layout == "replicated" else no_past
+        parts = [local_past(q, cache, attn.scale) for q in grouped]
 
         def attend(src: int, kv: KV) -> list[mx.array]:
             computed: list[mx.array] = []
-            pair = split_pair(kv, split.block_length(split.blocks_of(src)[0]))
+            (past_k, past_v), blocks = split_past(kv, self._past_length(src))
+            pair = split_pair(blocks, split.block_length(split.blocks_of(src)[0]))
             for q, query_block, q_parts in zip(grouped, own_blocks, parts, strict=True):
+                if past_k.shape[2]:
+                    q_parts.append(partial_attention(q, past_k, past_v, attn.scale, False))
+                    computed.extend(q_parts[-1])
                 for key_block, (k, v) in zip(split.blocks_of(src), pair, strict=True):
                     seen = visibility(query_block, key_block)
                     if seen != "none":
@@ -273,9 +351,52 @@ class RingAttention(nn.Module):
                         computed.extend(part)
             return computed
 
-        per_rank = rotate_blocks(ring, mine, attend)
+        per_rank = rotate_blocks(ring, payload, attend, self._payload_lengths())
         outs = [ungroup_heads(merge_partials(p)) for p in parts]
         return outs, per_rank
+
+    def _sharded_step(self, x: mx.array, cache: Any) -> mx.array:
+        """New tokens computed on every rank; the step owner stores their K/V; partial
+        attentions over each rank's own KV are merged across ranks (one all_gather)."""
+        ring, attn = self._ring, self.inner
+        q, k, v = project_qkv(attn, x, ring.position)
+        grouped = group_heads(q, attn.n_kv_heads)
+        parts = attend_past(grouped, cache, attn.scale)
+        if ring.rank == ring.step_owner:
+            parts.append(partial_attention(grouped, k, v, attn.scale, causal=True))
+            cache.update_and_fetch(k, v)
+        if parts:
+            out, lse = merge_with_lse(parts)
+        else:  # this rank holds none of the keys yet
+            out = mx.zeros((*grouped.shape[:-1], v.shape[-1]), dtype=mx.float32)
+            lse = mx.full((*grouped.shape[:-1], 1), -mx.inf, dtype=mx.float32)
+        # One collective for both: two independent all_gathers could run in a different order on
+        # different ranks (each rank's graph differs) and pair up wrongly.
+        both = mx.distributed.all_gather(mx.concatenate([out, lse], axis=-1), group=ring.group)
+        dim = out.shape[-1]
+        merged = merge_partials(
+            [(both[r : r + 1, ..., :dim], both[r : r + 1, ..., dim:]) for r in range(ring.size)]
+        )
+        return ungroup_heads(merged)
+
+
+def with_local_past(mine: KV, cache: Any) -> KV:
+    """This rank's stored K/V (earlier chunks) followed by its blocks of the current chunk."""
+    if not cache.offset:
+        return mine
+    past_k = cache.keys[..., : cache.offset, :]
+    past_v = cache.values[..., : cache.offset, :]
+    return mx.concatenate([past_k, mine[0]], axis=2), mx.concatenate([past_v, mine[1]], axis=2)
+
+
+def split_past(kv: KV, past_length: int) -> tuple[KV, KV]:
+    """A payload is a rank's past K/V then its current blocks; cut them apart."""
+    return split_pair(kv, past_length)
+
+
+def no_past(q: mx.array, cache: Any, scale: float) -> list[tuple[mx.array, mx.array]]:
+    """Sharded layout: the past arrives with the rotating payloads, none is attended locally."""
+    return []
 
 
 def group_heads(q: mx.array, kv_heads: int) -> mx.array:
@@ -288,15 +409,10 @@ def ungroup_heads(out: mx.array) -> mx.array:
     return out.reshape(batch, kv_heads * group, length, dim)
 
 
-def prefix_attention(
-    attn: nn.Module, q: mx.array, block: int, cache: Any, blocks: list[KV]
-) -> mx.array:
-    """One causal SDPA call of a query block over everything before it and itself."""
-    keys = [cache.keys[..., : cache.offset, :]] if cache.offset else []
-    values = [cache.values[..., : cache.offset, :]] if cache.offset else []
-    keys += [k for k, _ in blocks[: block + 1]]
-    values += [v for _, v in blocks[: block + 1]]
-    k, v = mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
+def prefix_attention(attn: nn.Module, q: mx.array, keys_values: list[KV]) -> mx.array:
+    """One causal SDPA call of a query block over all keys before it, its own block last."""
+    k = mx.concatenate([k for k, _ in keys_values], axis=2)
+    v = mx.concatenate([v for _, v in keys_values], axis=2)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask="causal")
 
 

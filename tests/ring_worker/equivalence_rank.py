@@ -9,21 +9,23 @@ import mlx.core as mx
 
 from ring_worker.engine import Engine
 from ring_worker.group import join_group
-from ring_worker.ring_attention import Exchange
+from ring_worker.ring_attention import Exchange, KVLayout
 from tests.ring_worker.tiny import load_tiny
 
 
 def main() -> None:
-    model_dir, rank, addresses, lengths, chunk, out_dir, exchange = sys.argv[1:8]
+    model_dir, rank, addresses, lengths, chunk, out_dir, exchange, kv_layout = sys.argv[1:9]
     group = join_group(json.loads(addresses), int(rank), Path(out_dir))
-    assert exchange in ("rotate", "allgather"), exchange
-    engine = Engine(load_tiny(Path(model_dir)), group, exchange=cast(Exchange, exchange))
+    assert exchange in ("rotate", "allgather") and kv_layout in ("replicated", "sharded")
+    model = load_tiny(Path(model_dir))
+    engine = Engine(model, group, cast(Exchange, exchange), cast(KVLayout, kv_layout))
     results = {}
     for length in json.loads(lengths):
         tokens = prompt_tokens(length)
         prefill = engine.prefill(tokens, int(chunk))
+        kv_tokens = prefill.cache[0].offset  # this rank's KV after prefill
         decoded = engine.decode(prefill, 32)
-        results[str(length)] = {"tokens": decoded.tokens}
+        results[str(length)] = {"tokens": decoded.tokens, "kv_tokens": kv_tokens}
         mx.save(str(Path(out_dir) / f"logits-{length}-rank{rank}.npy"), prefill.logits)
     (Path(out_dir) / f"tokens-rank{rank}.json").write_text(json.dumps(results))
 

@@ -23,7 +23,7 @@ def tiny_model_dir(request, tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def run_ring(model_dir, size, exchange, out_dir):
+def run_ring(model_dir, size, exchange, kv_layout, out_dir):
     addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(size)]
     procs = [
         spawn_rank(
@@ -37,6 +37,7 @@ def run_ring(model_dir, size, exchange, out_dir):
                 str(CHUNK_TOKENS),
                 str(out_dir),
                 exchange,
+                kv_layout,
             ],
             rank_environment(threads=1),
         )
@@ -52,11 +53,21 @@ def reference(model, tokens):
 
 
 @pytest.mark.parametrize(
-    ("size", "exchange"),
-    [(2, "rotate"), (3, "rotate"), (4, "rotate"), (2, "allgather"), (3, "allgather")],
+    ("size", "exchange", "kv_layout"),
+    [
+        (2, "rotate", "replicated"),
+        (3, "rotate", "replicated"),
+        (4, "rotate", "replicated"),
+        (2, "allgather", "replicated"),
+        (3, "allgather", "replicated"),
+        (2, "rotate", "sharded"),
+        (3, "rotate", "sharded"),
+        (2, "allgather", "sharded"),
+        (3, "allgather", "sharded"),
+    ],
 )
-def test_ring_matches_single_device(tiny_model_dir, size, exchange, tmp_path):
-    run_ring(tiny_model_dir, size, exchange, tmp_path)
+def test_ring_matches_single_device(tiny_model_dir, size, exchange, kv_layout, tmp_path):
+    run_ring(tiny_model_dir, size, exchange, kv_layout, tmp_path)
     model = load_tiny(tiny_model_dir)
     for rank in range(size):
         decoded = json.loads((tmp_path / f"tokens-rank{rank}.json").read_text())
@@ -66,6 +77,21 @@ def test_ring_matches_single_device(tiny_model_dir, size, exchange, tmp_path):
             delta = mx.abs(got_logits - want_logits).max().item()
             assert delta <= LOGITS_ATOL, f"rank {rank}, length {length}: max |dlogits| {delta}"
             assert decoded[str(length)]["tokens"] == want_tokens, f"rank {rank}, length {length}"
+    check_kv_layout(tmp_path, size, kv_layout)
+
+
+def check_kv_layout(out_dir, size, kv_layout):
+    """Replicated: every rank holds the whole prompt. Sharded: the ranks' KV partitions it,
+    about 1/N each (zigzag blocks of every chunk; chunks too short to split stay on rank 0)."""
+    per_rank = [json.loads((out_dir / f"tokens-rank{r}.json").read_text()) for r in range(size)]
+    for length in LENGTHS:
+        held = [ranks[str(length)]["kv_tokens"] for ranks in per_rank]
+        if kv_layout == "replicated":
+            assert held == [length] * size
+        else:
+            assert sum(held) == length
+            if length >= 257:
+                assert max(held) <= length / size + 2 * (length // CHUNK_TOKENS + 1), held
 
 
 def test_greedy_tokens_are_not_degenerate(tiny_model_dir):
