@@ -6,6 +6,7 @@ import click
 from pydantic import ValidationError
 from rich.console import Console
 
+from cli.bench import bench
 from cli.common import echo_json, redis_connection
 from cli.local_run import run
 from cli.options import build_spec, job_options
@@ -127,7 +128,7 @@ def nodes(as_json):
         console.print(nodes_table(live))
 
 
-for _command in (run, up, demo, node, dispatcher):
+for _command in (run, bench, up, demo, node, dispatcher):
     cli.add_command(_command)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from jobs.errors import RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import ChatTokenizer, load_tokenizer, resolve_model
 from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
@@ -64,6 +65,8 @@ def start_engine(
     group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path
 ) -> tuple[Engine, ChatTokenizer]:
     """Join the group and load the model; ranks of a job cancelled meanwhile stop together."""
+    if group.strategy == "pipeline":
+        raise RingqError("the pipeline strategy is not implemented yet; use ring or single")
     mx_group = join_group(group.addresses, rank, scratch_dir)
     stop_if_cancelled(mx_group, io, "before loading the model")
     source = resolve_model(group.model)
