@@ -38,6 +38,7 @@ from cli.bench_report import (
     tile_tokens,
 )
 from cli.common import echo_json
+from cli.options import chunk_tokens_option
 from jobs.errors import InvalidJobError, RingqError
 from jobs.model_catalog import ChatTokenizer, load_tokenizer, read_model_shape, resolve_model
 from jobs.schemas import JobKind, JobResult, JobSpec, Sharding
@@ -117,12 +118,7 @@ def list_option(parse):
 @click.option(
     "--repeat", type=click.IntRange(1), default=3, show_default=True, help="Measured runs per cell."
 )
-@click.option(
-    "--chunk-tokens",
-    type=click.IntRange(1),
-    default=None,
-    help="Prefill chunk (default RINGQ_PREFILL_CHUNK_TOKENS).",
-)
+@chunk_tokens_option
 @click.option(
     "--timeout-s",
     type=click.FloatRange(min=1),

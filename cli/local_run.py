@@ -6,7 +6,7 @@ import click
 from rich.console import Console
 
 from cli.common import echo_json
-from cli.options import build_spec, job_options
+from cli.options import build_spec, chunk_tokens_option, job_options
 from cli.render import live_progress, print_result
 from jobs.dispatcher import tokenize_and_check
 from jobs.errors import RingqError
@@ -25,12 +25,7 @@ from ring_worker.local_group import LocalRunError, run_local
     "--sharding", type=click.Choice(["ring", "single"]), default="ring", show_default=True
 )
 @click.option("--ring-size", type=click.IntRange(1, 16), default=2, show_default=True)
-@click.option(
-    "--chunk-tokens",
-    type=click.IntRange(1),
-    default=None,
-    help="Prefill chunk (default RINGQ_PREFILL_CHUNK_TOKENS).",
-)
+@chunk_tokens_option
 @click.option(
     "--exchange",
     type=click.Choice(["rotate", "allgather"]),

@@ -64,3 +64,11 @@ def parse_ring_size(value: str | int) -> int | Literal["auto"]:
         raise click.BadParameter(
             f"{value!r} is not a number or 'auto'", param_hint="--ring-size"
         ) from None
+
+
+chunk_tokens_option = click.option(
+    "--chunk-tokens",
+    type=click.IntRange(1),
+    default=None,
+    help="Prefill chunk (default RINGQ_PREFILL_CHUNK_TOKENS).",
+)
