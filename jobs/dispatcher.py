@@ -12,7 +12,7 @@ from rq import get_current_job
 from admission.model_shape import ModelShape
 from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
 from jobs import keys
-from jobs.errors import InvalidJobError, RingqError
+from jobs.errors import AdmissionError, InvalidJobError, RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import load_tokenizer, read_model_shape, resolve_model
 from jobs.schemas import GroupSpec, JobKind, JobSpec, NodeInfo, Placement, Progress
@@ -60,7 +60,7 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
     try:
         plan = plan_placement(shape, request, [capacity(n) for n in nodes])
     except CannotPlace as exc:
-        raise InvalidJobError(str(exc)) from None
+        raise AdmissionError(str(exc)) from None
     by_name = {n.name: n for n in nodes}
     group = GroupSpec(
         group_id=uuid.uuid4().hex[:12],
