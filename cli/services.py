@@ -138,6 +138,7 @@ class LocalCluster:
 def up(node_count: int) -> None:
     """Start Redis (unless RINGQ_REDIS_URL), the dispatcher and local node agents; Ctrl-C stops."""
     settings = get_settings()
+    interrupt_on_sigterm()
     with LocalCluster(settings, node_count) as cluster:
         cluster.wait_ready()
         console.print(
@@ -160,6 +161,7 @@ def up(node_count: int) -> None:
 def demo(model: str | None, ring_size: int, max_tokens: int) -> None:
     """Everything local: a bundled document and a question through a ring of local nodes."""
     settings = get_settings()
+    interrupt_on_sigterm()
     document = files("cli").joinpath("demo/document.md").read_text()
     question = files("cli").joinpath("demo/question.txt").read_text().strip()
     started = time.perf_counter()
@@ -229,6 +231,15 @@ def dispatcher() -> None:
         name=f"ringq-dispatcher-{socket.gethostname()}-{os.getpid()}",
     )
     worker.work(logging_level="WARNING")
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM (a service manager, `kill`) stops `up` / `demo` as cleanly as Ctrl-C does."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def setup_service() -> None:

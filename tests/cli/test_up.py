@@ -1,0 +1,45 @@
+"""`ringq up` in the foreground: services come up, and Ctrl-C (or SIGTERM) stops all of them,
+the embedded Redis included."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from jobs.redis_server import SOCKET_NAME, is_alive, unix_url
+from tests.helpers import short_tmp_dir, wait_for
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+def test_up_starts_everything_and_stops_it_cleanly(stop_signal):
+    home = short_tmp_dir("ringq-up-")
+    env = {k: v for k, v in os.environ.items() if k != "RINGQ_REDIS_URL"}
+    env.update(RINGQ_HOME=str(home), RINGQ_RANK_PORT_BASE="32200")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "up", "--nodes", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = unix_url(home / "redis" / SOCKET_NAME)
+    try:
+        nodes = [sys.executable, "-m", "cli.main", "nodes", "--json"]
+        wait_for(
+            lambda: (
+                '"node-1"' in subprocess.run(nodes, env=env, capture_output=True, text=True).stdout
+            ),
+            "two live nodes",
+        )
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert len(children) >= 3  # dispatcher and two nodes (redis runs in its own session)
+        up.send_signal(stop_signal)
+        assert up.wait(timeout=30) == 0, up.stdout.read() if up.stdout else ""
+        assert not [c for c in children if c.is_running() and c.status() != "zombie"]
+        assert not is_alive(url)
+    finally:
+        if up.poll() is None:
+            up.kill()
