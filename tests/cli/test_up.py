@@ -9,7 +9,8 @@ import sys
 import psutil
 import pytest
 
-from jobs.redis_server import SOCKET_NAME, is_alive, unix_url
+from jobs.redis_server import SOCKET_NAME, is_alive, shutdown_embedded, unix_url
+from jobs.settings import Settings
 from tests.helpers import short_tmp_dir, wait_for
 
 
@@ -43,3 +44,4 @@ def test_up_starts_everything_and_stops_it_cleanly(stop_signal):
     finally:
         if up.poll() is None:
             up.kill()
+        shutdown_embedded(Settings(home=home, redis_url=None))  # only if a failure left it up
