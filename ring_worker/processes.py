@@ -23,26 +23,14 @@ def find_openblas() -> str | None:
     return next((path for path in OPENBLAS_CANDIDATES if Path(path).exists()), None)
 
 
-def rank_environment(
-    blas: str = "auto", threads: int | None = None, extra: dict[str, str] | None = None
-) -> dict[str, str]:
+def rank_environment(blas: str = "auto", threads: int | None = None) -> dict[str, str]:
     """Environment for a rank process. MLX's Linux CPU wheel links reference BLAS; preloading
     OpenBLAS makes fp32 matmul 25-35x faster (design.md). `blas="off"` disables it."""
     env = dict(os.environ)
-    env.update(extra or {})
-    if (
-        sys.platform.startswith("linux")
-        and blas != "off"
-        and "cuda" not in env.get("RINGQ_BACKEND", "")
-    ):
-        openblas = find_openblas()
-        if openblas:
-            preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
-            env["LD_PRELOAD"] = ":".join([openblas, *[p for p in preload if p != openblas]])
-    if blas == "off":
-        env["LD_PRELOAD"] = ":".join(
-            p for p in env.get("LD_PRELOAD", "").split(":") if p and "openblas" not in p
-        )
+    preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "openblas" not in p]
+    wanted = blas != "off" and sys.platform.startswith("linux")
+    openblas = find_openblas() if wanted and env.get("RINGQ_BACKEND") != "cuda" else None
+    env["LD_PRELOAD"] = ":".join([openblas, *preload] if openblas else preload)
     if threads:  # ranks sharing one machine split its cores instead of oversubscribing them
         env["OPENBLAS_NUM_THREADS"] = str(threads)
     return env
