@@ -28,13 +28,11 @@ def test_up_starts_everything_and_stops_it_cleanly(stop_signal):
     )
     url = unix_url(home / "redis" / SOCKET_NAME)
     try:
+        printed: list[str] = []
+        wait_for(lambda: ready_line_seen(up, printed), "`ringq up` to say it is ready")
         nodes = [sys.executable, "-m", "cli.main", "nodes", "--json"]
-        wait_for(
-            lambda: (
-                '"node-1"' in subprocess.run(nodes, env=env, capture_output=True, text=True).stdout
-            ),
-            "two live nodes",
-        )
+        listed = subprocess.run(nodes, env=env, capture_output=True, text=True).stdout
+        assert '"node-0"' in listed and '"node-1"' in listed
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) >= 3  # dispatcher and two nodes (redis runs in its own session)
         up.send_signal(stop_signal)
@@ -45,3 +43,13 @@ def test_up_starts_everything_and_stops_it_cleanly(stop_signal):
         if up.poll() is None:
             up.kill()
         shutdown_embedded(Settings(home=home, redis_url=None))  # only if a failure left it up
+
+
+def ready_line_seen(up: subprocess.Popen, printed: list[str]) -> bool:
+    """True once `up` has printed its ready line (after every node registered). A signal sent
+    before that interrupts start-up instead: another path, which ends with exit code 130."""
+    assert up.stdout is not None
+    line = up.stdout.readline()
+    assert line, f"`ringq up` exited before it was ready: {''.join(printed)}"
+    printed.append(line)
+    return "Ctrl-C stops" in " ".join("".join(printed).split())  # rich may wrap the line
