@@ -102,4 +102,4 @@ def test_rank_failure_fails_the_job_and_leaves_no_process(store, broken_model_di
 def test_dispatcher_and_nodes_survive_bad_jobs(cluster, store, tiny_llama_dir):
     cluster.check_children()
     record = run_job(store, generate(tiny_llama_dir, ring_size=2))
-    assert record.state == JobState.FINISHED
+    assert record.state == JobState.FINISHED, record.error
