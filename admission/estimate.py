@@ -29,15 +29,20 @@ def estimate_node_bytes(
     chunk_tokens: int,
     *,
     dense_weights: bool,
+    pipeline: bool = False,
 ) -> MemoryEstimate:
-    """Bytes one rank of a ring of `ring_size` (1 = single) needs. KV is replicated on every rank;
-    each rank runs chunk_tokens / ring_size tokens of every chunk."""
+    """Bytes one rank of a group of `ring_size` (1 = single) needs. Ring: KV replicated on every
+    rank, each rank runs chunk_tokens / ring_size tokens of every chunk. Pipeline: each rank holds
+    its share of the layers (weights and KV) and runs whole chunks."""
     weights = shape.dense_weight_bytes if dense_weights else shape.weight_bytes
     kv = shape.kv_bytes_per_token() * (prompt_tokens + max_new_tokens)
+    if pipeline and ring_size > 1:
+        share = -(-shape.layers // ring_size)  # the first ranks take the extra layers
+        weights, kv = weights * share // shape.layers, kv * share // shape.layers
     return MemoryEstimate(
         weights_bytes=weights,
         kv_bytes=kv,
-        activation_bytes=activation_bytes(shape, chunk_tokens, ring_size),
+        activation_bytes=activation_bytes(shape, chunk_tokens, 1 if pipeline else ring_size),
         overhead_bytes=RUNTIME_OVERHEAD_BYTES,
     )
 

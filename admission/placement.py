@@ -20,13 +20,13 @@ class PlacementRequest:
     max_new_tokens: int
     chunk_tokens: int
     ring_size: int | None  # None: automatic
-    sharding: str  # "auto" | "ring" | "single"
+    sharding: str  # "auto" | "ring" | "pipeline" | "single"
     ring_min_tokens: int  # automatic choice: shorter prompts run on one node
 
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    strategy: Literal["single", "ring"]
+    strategy: Literal["single", "ring", "pipeline"]
     nodes: tuple[str, ...]
     bytes_per_node: int
 
@@ -41,6 +41,10 @@ def plan_placement(
     if not nodes:
         raise CannotPlace("no live nodes: start one with `ringq node` (or `ringq up`)")
     for size in candidate_sizes(request, len(nodes)):
+        if strategy_for(request, size) == "pipeline" and size > shape.layers:
+            raise CannotPlace(
+                f"a pipeline of {size} needs {size} layers; the model has {shape.layers}"
+            )
         fitting = []
         for node in sorted(nodes, key=lambda n: -n.available_bytes):
             need = node_estimate(shape, request, size, node).total_bytes
@@ -49,11 +53,17 @@ def plan_placement(
         if len(fitting) >= size:
             chosen = fitting[:size]
             return PlacementPlan(
-                strategy="single" if size == 1 else "ring",
+                strategy=strategy_for(request, size),
                 nodes=tuple(name for name, _ in chosen),
                 bytes_per_node=max(need for _, need in chosen),
             )
     raise CannotPlace(describe_shortfall(shape, request, nodes))
+
+
+def strategy_for(request: PlacementRequest, size: int) -> Literal["single", "ring", "pipeline"]:
+    if size == 1:
+        return "single"
+    return "pipeline" if request.sharding == "pipeline" else "ring"
 
 
 def candidate_sizes(request: PlacementRequest, live: int) -> list[int]:
@@ -65,9 +75,9 @@ def candidate_sizes(request: PlacementRequest, live: int) -> list[int]:
                 f"ring of {request.ring_size} needs {request.ring_size} nodes; {live} live"
             )
         return [request.ring_size]
-    if request.sharding == "ring":
+    if request.sharding in ("ring", "pipeline"):
         if live < 2:
-            raise CannotPlace(f"a ring needs at least 2 nodes; {live} live")
+            raise CannotPlace(f"a {request.sharding} needs at least 2 nodes; {live} live")
         return list(range(2, live + 1))
     if request.prompt_tokens < request.ring_min_tokens or live == 1:
         return list(range(1, live + 1))
@@ -85,6 +95,7 @@ def node_estimate(
         size,
         request.chunk_tokens,
         dense_weights=node.dense_weights,
+        pipeline=strategy_for(request, size) == "pipeline",
     )
 
 

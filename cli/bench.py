@@ -4,13 +4,10 @@ Each run is a fresh `run_local` group (the same path as `ringq run`): rank proce
 the model, prefill exactly `pp` tokens (a real text tiled to length), then decode up to `tg`.
 """
 
-import importlib.metadata
 import json
 import os
-import platform
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -18,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-import psutil
 from rich.console import Console
 
+from cli.bench_machine import machine_info, mfu, probe_matmul_tflops
 from cli.bench_plot import write_plot
 from cli.bench_report import (
     DECODE_KV_LAYOUTS,
@@ -44,7 +41,7 @@ from jobs.model_catalog import ChatTokenizer, load_tokenizer, read_model_shape, 
 from jobs.schemas import JobKind, JobResult, JobSpec, Sharding
 from jobs.settings import Settings, get_settings
 from ring_worker.local_group import LocalRunError, run_local
-from ring_worker.processes import find_openblas
+from ring_worker.processes import rank_environment, spawn_rank, wait_all
 
 PROMPT_TEXT = Path(__file__).parent / "demo" / "document.md"
 WIDE_COLUMNS = 160  # a table written to a file or pipe is not cut to 80 columns
@@ -200,7 +197,7 @@ def measure(
     report: dict[str, Any] = {
         "command": shlex.join(["ringq", *sys.argv[1:]]),
         "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(settings),
+        "machine": {**machine_info(settings), "matmul_peak": probe_matmul_tflops(settings.blas)},
         "config": config,
     }
     started_s = time.perf_counter()
@@ -230,9 +227,23 @@ def measure(
     report["machine"]["load_avg_1m_after_runs"] = spread(load_samples) if load_samples else None
     report["wall_s"] = round(time.perf_counter() - started_s, 2)
     report["cells"] = summarize_all(outcomes)
+    add_mfu(report, config["model"])
     if scratch.is_dir() and not any(scratch.iterdir()):
         scratch.rmdir()  # every run succeeded; failed runs keep their rank logs there
     return report
+
+
+def add_mfu(report: dict[str, Any], model: str) -> None:
+    """Model FLOPs utilisation of each cell's median prefill against the measured matmul peak."""
+    peak = report["machine"].get("matmul_peak")
+    shape = read_model_shape(resolve_model(model))
+    for cell in report["cells"]:
+        prefill = cell["prefill_s"]
+        cell["mfu"] = (
+            mfu(shape, cell["pp"], prefill["median"], cell["ranks"], peak["tflops"])
+            if prefill and peak
+            else None
+        )
 
 
 def build_prompts(model: str, pp_list: list[int], tg: int) -> dict[int, list[int]]:
@@ -255,6 +266,8 @@ def run_cell(
 ) -> JobResult:
     """One run of a cell on fresh local ranks; its scratch dir (rank logs) stays if it fails."""
     tg = config["tg"]
+    if cell.strategy == "mlx-lm":
+        return run_baseline(model, tokens, config, scratch, blas)
     spec = JobSpec(
         kind=JobKind.GENERATE if tg else JobKind.PREFILL,
         document=f"{PROMPT_TEXT.name} tiled to {len(tokens)} tokens",  # ranks read `tokens`
@@ -262,9 +275,7 @@ def run_cell(
         max_tokens=max(tg, 1),
         temperature=0.0,
         ring_size=cell.ranks,
-        sharding={"single": Sharding.SINGLE, "ring": Sharding.RING}.get(
-            cell.strategy, Sharding.AUTO
-        ),
+        sharding=Sharding(cell.strategy),
     )
     try:
         result = run_local(
@@ -286,6 +297,26 @@ def run_cell(
     return result
 
 
+def run_baseline(
+    model: str, tokens: list[int], config: dict[str, Any], scratch: Path, blas: str
+) -> JobResult:
+    """Plain mlx-lm in one fresh process (ring_worker/baseline.py), as a rank would run."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "tokens.json").write_text(json.dumps(tokens))
+    out, log_path = scratch / "result.json", scratch / "baseline.log"
+    argv = ["-m", "ring_worker.baseline", "--model", model, "--tokens-file"]
+    argv += [str(scratch / "tokens.json"), "--max-tokens", str(config["tg"])]
+    argv += ["--chunk-tokens", str(config["chunk_tokens"]), "--out", str(out)]
+    process = spawn_rank(argv, rank_environment(blas), log_path)
+    codes = wait_all([process], timeout_s=config["timeout_s"])
+    if codes != [0] or not out.is_file():
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        raise CellFailed(f"mlx-lm baseline exited with {codes[0]}: {tail[0]} (log {log_path})")
+    result = JobResult.model_validate_json(out.read_text())
+    shutil.rmtree(scratch, ignore_errors=True)
+    return result
+
+
 def progress_printer(console: Console, total_runs: int):
     done = iter(range(1, total_runs + 1))
 
@@ -302,60 +333,6 @@ def progress_printer(console: Console, total_runs: int):
             )
 
     return on_run
-
-
-def machine_info(settings: Settings) -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "memory_bytes": psutil.virtual_memory().total,
-        "mlx_version": importlib.metadata.version("mlx"),
-        "mlx_lm_version": importlib.metadata.version("mlx-lm"),
-        "backend": probe_backend(),
-        "blas": blas_description(settings.blas),
-        "load_avg_start": os.getloadavg(),
-        "source": source_revision(),
-    }
-
-
-def source_revision() -> dict[str, Any] | None:
-    """The git commit of the code that ran, and whether it had uncommitted changes."""
-    here = Path(__file__).parent
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        status = subprocess.run(
-            ["git", "-C", str(here), "status", "--porcelain"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if commit.returncode != 0:
-        return None
-    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
-
-
-def probe_backend() -> str:
-    """cpu / metal / cuda, asked in a fresh interpreter (this process never initialises MLX)."""
-    probe = subprocess.run(
-        [sys.executable, "-c", BACKEND_PROBE], capture_output=True, text=True, timeout=60
-    )
-    return probe.stdout.strip() or f"unknown ({probe.stderr.strip()[-200:]})"
-
-
-def blas_description(blas: str) -> str:
-    openblas = find_openblas() if sys.platform.startswith("linux") else None
-    if blas == "off" or openblas is None:
-        return "mlx bundled"
-    return f"OpenBLAS preloaded ({openblas})"
 
 
 def write_outputs(report: dict[str, Any], json_out: Path | None, plot: Path | None) -> None:

@@ -1,8 +1,9 @@
 """Pure parts of `ringq bench`: which cells to run, in what order, and what their runs add up to.
 
 A cell is one (prompt length, strategy, ranks, exchange, decode KV layout). Every cell is measured
-in the same invocation, so its ratio to the `single` cell of the same prompt length compares runs
-made under the same conditions.
+in the same invocation, so its ratios to the `single` cell (ringq on one device) and the `mlx-lm`
+cell (plain mlx-lm on one device) of the same prompt length compare runs made under the same
+conditions.
 """
 
 import statistics
@@ -14,12 +15,13 @@ from rich.table import Table
 
 from jobs.schemas import JobResult
 
-STRATEGIES = ("single", "ring", "pipeline")
+STRATEGIES = ("single", "ring", "pipeline", "mlx-lm")
+BASELINES = ("single", "mlx-lm")
 EXCHANGES = ("rotate", "allgather")
 DECODE_KV_LAYOUTS = ("replicated", "sharded")
 MIB = 1024 * 1024
 
-Strategy = Literal["single", "ring", "pipeline"]
+Strategy = Literal["single", "ring", "pipeline", "mlx-lm"]
 Exchange = Literal["rotate", "allgather"]
 DecodeKV = Literal["replicated", "sharded"]
 
@@ -35,8 +37,8 @@ class Cell:
     @property
     def label(self) -> str:
         """The same for every prompt length: one line in the plot per label."""
-        if self.strategy == "single":
-            return "single"
+        if self.strategy in BASELINES:
+            return self.strategy
         if self.strategy == "pipeline":
             return f"pipeline-{self.ranks}"
         return f"ring-{self.ranks} {self.exchange}/{self.decode_kv}"
@@ -80,8 +82,8 @@ def plan_cells(
     cells = []
     for pp in pp_list:
         for strategy in strategies:
-            if strategy == "single":
-                cells.append(Cell(pp, "single", 1))
+            if strategy in BASELINES:
+                cells.append(Cell(pp, cast(Strategy, strategy), 1))
             elif strategy == "pipeline":
                 cells.append(Cell(pp, "pipeline", ring_size))
             else:
@@ -132,7 +134,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(outcome: CellOutcome, single_tps: float | None) -> dict[str, Any]:
+def summarize(outcome: CellOutcome, baseline_tps: dict[str, float]) -> dict[str, Any]:
     """One cell of the report; metrics are null for a failed cell (its runs stay listed)."""
     cell, runs = outcome.cell, outcome.runs
     ok = outcome.error is None and bool(runs)
@@ -153,9 +155,14 @@ def summarize(outcome: CellOutcome, single_tps: float | None) -> dict[str, Any]:
         "decode_s": spread([r.decode_s for r in runs]) if ok else None,
         "load_s": spread([r.load_s for r in runs]) if ok else None,
         "peak_memory_bytes": peak_per_rank(runs) if ok else None,
-        "ratio_vs_single": (
-            prompt["median"] / single_tps if prompt is not None and single_tps else None
-        ),
+        **{
+            f"ratio_vs_{name.replace('-', '_')}": (
+                prompt["median"] / baseline_tps[name]
+                if prompt is not None and name in baseline_tps
+                else None
+            )
+            for name in BASELINES
+        },
         "runs": [r.model_dump(mode="json", exclude={"text"}) for r in runs],
     }
 
@@ -166,12 +173,14 @@ def peak_per_rank(runs: Sequence[JobResult]) -> list[int]:
 
 
 def summarize_all(outcomes: Sequence[CellOutcome]) -> list[dict[str, Any]]:
-    """Every cell, with its prompt tok/s ratio to the single cell of the same prompt length."""
-    single: dict[int, float] = {}
+    """Every cell, with its prompt tok/s ratios to the baseline cells of the same prompt length."""
+    baselines: dict[int, dict[str, float]] = {}
     for outcome in outcomes:
-        if outcome.cell.strategy == "single" and outcome.error is None and outcome.runs:
-            single[outcome.cell.pp_tokens] = statistics.median(r.prompt_tps for r in outcome.runs)
-    return [summarize(o, single.get(o.cell.pp_tokens)) for o in outcomes]
+        cell = outcome.cell
+        if cell.strategy in BASELINES and outcome.error is None and outcome.runs:
+            median = statistics.median(r.prompt_tps for r in outcome.runs)
+            baselines.setdefault(cell.pp_tokens, {})[cell.strategy] = median
+    return [summarize(o, baselines.get(o.cell.pp_tokens, {})) for o in outcomes]
 
 
 def tile_tokens(base: Sequence[int], count: int) -> list[int]:
@@ -209,10 +218,12 @@ def report_table(report: dict[str, Any]) -> Table:
             f"{describe_source(machine.get('source'))}"
         ),
     )
-    for name in ("pp", "cell", "prompt tok/s", "min-max", "x single", "gen tok/s", "generated"):
+    columns = ("pp", "cell", "prompt tok/s", "min-max", "x single", "x mlx-lm", "gen tok/s")
+    for name in (*columns, "generated"):
         table.add_column(name, justify="left" if name == "cell" else "right")
     table.add_column("peak MiB/rank", justify="right")
     table.add_column("load s", justify="right")
+    table.add_column("MFU", justify="right")
     for cell in report["cells"]:
         table.add_row(*table_row(cell))
     return table
@@ -221,19 +232,24 @@ def report_table(report: dict[str, Any]) -> Table:
 def table_row(cell: dict[str, Any]) -> list[str]:
     head = [str(cell["pp"]), cell["label"]]
     if cell["status"] != "ok":
-        return [*head, "[red]failed[/red]", "", "", "", "", "", ""]
+        return [*head, "[red]failed[/red]", "", "", "", "", "", "", "", ""]
     prompt, gen, generated = cell["prompt_tps"], cell["generation_tps"], cell["generated_tokens"]
-    ratio = cell["ratio_vs_single"]
     return [
         *head,
         f"{prompt['median']:.1f}",
         f"{prompt['min']:.1f}-{prompt['max']:.1f}",
-        f"{ratio:.2f}" if ratio is not None else "-",
+        format_ratio(cell["ratio_vs_single"]),
+        format_ratio(cell["ratio_vs_mlx_lm"]),
         f"{gen['median']:.1f}",
         format_range(generated["min"], generated["max"]),
         " / ".join(f"{b / MIB:.0f}" for b in cell["peak_memory_bytes"]),
         f"{cell['load_s']['median']:.2f}",
+        f"{cell['mfu']:.1%}" if cell.get("mfu") is not None else "-",
     ]
+
+
+def format_ratio(ratio: float | None) -> str:
+    return f"{ratio:.2f}" if ratio is not None else "-"
 
 
 def format_range(low: float, high: float) -> str:

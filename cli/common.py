@@ -1,7 +1,9 @@
 """What every command shares: the Redis connection, reading documents, one-object JSON output."""
 
+import glob
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,37 @@ def redis_url_for(settings: Settings) -> str:
 
 def redis_connection() -> redis.Redis:
     return connect(redis_url_for(get_settings()))
+
+
+def expand_files(args: Sequence[str]) -> list[str]:
+    """Paths of the documents that FILE arguments name: a file or '-' (stdin) as given, a
+    directory as its regular, non-hidden files (sorted), a glob pattern as its matching files
+    (sorted). A name that exists is never taken as a pattern."""
+    paths: list[str] = []
+    for arg in args:
+        paths += _expand_one(arg)
+    if paths.count("-") > 1:
+        raise InvalidJobError("'-' (stdin) can be given once")
+    return paths
+
+
+def _expand_one(arg: str) -> list[str]:
+    path = Path(arg)
+    if arg == "-" or path.is_file():
+        return [arg]
+    if path.is_dir():
+        found = [
+            str(p) for p in sorted(path.iterdir()) if p.is_file() and not p.name.startswith(".")
+        ]
+        if not found:
+            raise InvalidJobError(f"{arg}: a directory with no files")
+        return found
+    if any(char in arg for char in "*?["):
+        found = [p for p in sorted(glob.glob(arg, recursive=True)) if Path(p).is_file()]
+        if not found:
+            raise InvalidJobError(f"{arg}: no files match this pattern")
+        return found
+    raise InvalidJobError(f"{arg}: no such file")
 
 
 def read_document(path: str, max_bytes: int) -> tuple[str, str]:

@@ -22,9 +22,19 @@ from ring_worker.local_group import LocalRunError, run_local
 @click.argument("file")
 @job_options
 @click.option(
-    "--sharding", type=click.Choice(["ring", "single"]), default="ring", show_default=True
+    "--sharding",
+    type=click.Choice(["ring", "pipeline", "single"]),
+    default="ring",
+    show_default=True,
+    help="ring: sequence parallel; pipeline: layers split over ranks; single: one rank.",
 )
-@click.option("--ring-size", type=click.IntRange(1, 16), default=2, show_default=True)
+@click.option(
+    "--ring-size",
+    type=click.IntRange(1, 16),
+    default=2,
+    show_default=True,
+    help="Ranks of a ring or pipeline.",
+)
 @chunk_tokens_option
 @click.option(
     "--exchange",
@@ -78,6 +88,7 @@ def run(
             size,
             chunk_tokens or settings.prefill_chunk_tokens,
             scratch_root=settings.home / "runs",
+            strategy=sharding,
             blas=settings.blas,
             exchange=exchange,
             decode_kv=decode_kv,

@@ -6,8 +6,9 @@ import click
 from pydantic import ValidationError
 from rich.console import Console
 
+from cli.batch import batch
 from cli.bench import bench
-from cli.common import echo_json, redis_connection
+from cli.common import echo_json, expand_files, redis_connection
 from cli.local_run import run
 from cli.options import build_spec, job_options
 from cli.render import describe, nodes_table, print_result, result_json, status_json, watch
@@ -17,7 +18,7 @@ from jobs.errors import RingqError
 from jobs.lifecycle import JobState
 from jobs.schemas import JobKind
 from jobs.store import JobStore
-from jobs.submit import submit_job
+from jobs.submit import enqueue_jobs, new_job_id, submit_job
 
 console = Console()
 
@@ -52,26 +53,35 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("kind", type=click.Choice([k.value for k in JobKind]))
-@click.argument("file")
+@click.argument("files", nargs=-1, required=True, metavar="FILE...")
 @job_options
 @click.option("--ring-size", default="auto", show_default=True, help="Ranks (nodes) or 'auto'.")
-@click.option("--id", "job_id", default=None, help="Job id to use (default: random).")
-def submit(kind, file, model, prompt, max_tokens, temperature, as_json, ring_size, job_id):
-    """Enqueue a prefill or generate job for FILE ('-' = stdin); prints the job id."""
-    spec = build_spec(
-        kind,
-        file,
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        ring_size=ring_size,
-    )
-    record = submit_job(redis_connection(), spec, job_id)
-    if as_json:
-        echo_json(status_json(record))
+@click.option(
+    "--id", "job_id", default=None, help="Job id to use, one FILE only (default: random)."
+)
+def submit(kind, files, model, prompt, max_tokens, temperature, as_json, ring_size, job_id):
+    """Enqueue a prefill or generate job per FILE; prints the job ids, one a line.
+
+    FILE is a file, '-' (stdin), a directory (its files, sorted, not hidden ones) or a quoted
+    glob pattern ('docs/*.txt'). Every file is read and checked before any job is enqueued.
+    With one plain FILE, --json prints one object; otherwise a list.
+    """
+    paths = expand_files(files)
+    if job_id and len(paths) > 1:
+        raise click.UsageError(f"--id names one job, but {len(paths)} files were given")
+    options = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature)
+    specs = [build_spec(kind, path, ring_size=ring_size, **options) for path in paths]
+    conn = redis_connection()
+    if len(specs) == 1:
+        records = [submit_job(conn, specs[0], job_id)]
     else:
-        click.echo(record.id)
+        records = enqueue_jobs(conn, [(new_job_id(), spec) for spec in specs])
+    if not as_json:
+        click.echo("\n".join(record.id for record in records))
+    elif len(files) == 1 and paths == list(files):  # one plain FILE: one object, as before
+        echo_json(status_json(records[0]))
+    else:
+        echo_json([status_json(record) for record in records])
 
 
 @cli.command()
@@ -128,7 +138,7 @@ def nodes(as_json):
         console.print(nodes_table(live))
 
 
-for _command in (run, bench, up, demo, node, dispatcher):
+for _command in (run, bench, up, demo, node, dispatcher, batch):
     cli.add_command(_command)
 
 

@@ -75,7 +75,7 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
     )
     store.set_tokens(job_id, tokens)
     placement = Placement(
-        strategy="single" if len(plan.nodes) == 1 else "ring",
+        strategy=plan.strategy,
         ring_size=len(plan.nodes),
         nodes=list(plan.nodes),
         group_id=group.group_id,
@@ -115,7 +115,7 @@ def prompt_tokens(spec: JobSpec) -> list[int]:
     tokenizer = load_tokenizer(resolve_model(spec.model))
     if spec.kind == JobKind.PREFILL:
         return tokenizer.encode(spec.document)
-    message = f"{spec.document.rstrip()}\n\n{spec.prompt_text()}"
+    message = "\n\n".join(part for part in (spec.document.rstrip(), spec.prompt_text()) if part)
     return tokenizer.chat_tokens([{"role": "user", "content": message}])
 
 

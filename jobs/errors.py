@@ -9,6 +9,14 @@ class InvalidJobError(RingqError):
     """A job spec or its input is unusable (bad file, bad number, prompt too long...)."""
 
 
+class BatchInputError(InvalidJobError):
+    """Lines of a batch JSONL file are unusable; `line_errors` holds (line number, message)."""
+
+    def __init__(self, message: str, line_errors: list[tuple[int, str]]):
+        super().__init__(message)
+        self.line_errors = line_errors
+
+
 class UnknownModelError(RingqError):
     """The model name or path does not resolve to a model ringq can load."""
 

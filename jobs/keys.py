@@ -5,6 +5,7 @@ PREFIX = "ringq"
 ADMIT_QUEUE = f"{PREFIX}:admit"  # RQ queue the dispatcher works on
 JOBS_INDEX = f"{PREFIX}:jobs"  # sorted set: job id -> created_at
 NODES_INDEX = f"{PREFIX}:nodes"  # set of node names ever registered
+BATCHES_INDEX = f"{PREFIX}:batches"  # sorted set: batch id -> created_at
 
 
 def job(job_id: str) -> str:
@@ -17,6 +18,10 @@ def job_tokens(job_id: str) -> str:
 
 def job_cancel(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:cancel"  # set when cancel is asked; the job's ranks poll it
+
+
+def batch(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}"  # JSON BatchRecord: its jobs in input order
 
 
 def node(name: str) -> str:

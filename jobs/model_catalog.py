@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from admission.model_shape import ModelShape
+from jobs import random_models
 from jobs.errors import InvalidJobError, UnknownModelError
 
 DEFAULT_MODEL = "smollm2"
@@ -45,13 +46,20 @@ _CONTROL_TOKEN, _USER_DEFINED_TOKEN = 3, 4  # llama.cpp token types
 class ModelSource:
     name: str
     path: Path
-    format: Literal["gguf", "hf"]
+    format: Literal["gguf", "hf", "random"]  # random: jobs/random_models.py (path unused)
 
 
 def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
     """A built-in name, a `.gguf` file or an HF / mlx-lm directory, checked to be one we run."""
     if name_or_path in PACKAGED_MODELS:
         source = ModelSource(name_or_path, _find_packaged_file(name_or_path), "gguf")
+    elif random_models.is_random(name_or_path):
+        if random_models.preset_config(name_or_path) is None:
+            raise UnknownModelError(
+                f"no random model {name_or_path!r}; presets: "
+                + ", ".join(random_models.PREFIX + n for n in random_models.PRESETS)
+            )
+        source = ModelSource(name_or_path, Path(name_or_path), "random")
     else:
         path = Path(name_or_path).expanduser().resolve()
         if path.is_file() and path.suffix == ".gguf":
@@ -98,6 +106,8 @@ def model_config(source: ModelSource) -> dict[str, Any]:
     if source.format == "gguf":
         gguf = _read_gguf(source.path)
         return config_from_gguf_metadata(gguf.metadata, gguf.tensor_names)
+    if source.format == "random":
+        return random_models.preset_config(source.name) or {}
     return dict(_read_hf_config(source.path))
 
 
@@ -203,6 +213,8 @@ def default_dtype(source: ModelSource) -> str:
     """The float dtype load_model computes in when none is asked for."""
     if source.format == "gguf":
         return GGUF_COMPUTE_DTYPE
+    if source.format == "random":
+        return str(model_config(source)["torch_dtype"])
     counts: dict[str, int] = {}  # most float tensors as stored (a quantized model's scales too)
     for entry in _safetensors_header(source.path).values():
         if (name := _SAFETENSORS_FLOATS.get(entry["dtype"])) is not None:
@@ -219,6 +231,9 @@ def read_model_shape(source: ModelSource, *, dtype: str | None = None) -> ModelS
     if source.format == "gguf":
         gguf = _read_gguf(source.path)
         weight_bytes, parameters = gguf.weight_bytes, gguf.parameters
+    elif source.format == "random":
+        parameters = random_models.parameter_count(config)
+        weight_bytes = parameters * DTYPE_BYTES[default_dtype(source)]
     else:
         weight_bytes, parameters = _safetensors_sizes(source.path, config)
     heads = config["num_attention_heads"]
@@ -301,6 +316,8 @@ def load_tokenizer(source: ModelSource) -> ChatTokenizer:
     """The model's tokenizer, cached per source: the dispatcher tokenises every job."""
     if source.format == "gguf":
         return _load_tokenizer_version(source, _file_version(source.path))
+    if source.format == "random":
+        return _load_tokenizer_version(source, ())
     files = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json")
     return _load_tokenizer_version(source, _file_version(*(source.path / f for f in files)))
 
@@ -309,6 +326,8 @@ def load_tokenizer(source: ModelSource) -> ChatTokenizer:
 def _load_tokenizer_version(source: ModelSource, version: tuple) -> ChatTokenizer:
     from transformers import PreTrainedTokenizerFast
 
+    if source.format == "random":
+        return ChatTokenizer(random_models.byte_tokenizer(source.name))
     if source.format == "hf":
         try:
             hf = PreTrainedTokenizerFast.from_pretrained(source.path, local_files_only=True)

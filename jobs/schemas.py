@@ -22,6 +22,7 @@ class JobKind(StrEnum):
 class Sharding(StrEnum):
     AUTO = "auto"
     RING = "ring"
+    PIPELINE = "pipeline"
     SINGLE = "single"
 
 
@@ -59,7 +60,9 @@ class JobSpec(_Message):
         return self
 
     def prompt_text(self) -> str:
-        return self.prompt or DEFAULT_GENERATE_PROMPT
+        """The instruction after the document: a default when none is given, nothing for "" (a
+        batch request whose one user message is the whole prompt)."""
+        return DEFAULT_GENERATE_PROMPT if self.prompt is None else self.prompt
 
 
 class Progress(_Message):
@@ -71,7 +74,7 @@ class Progress(_Message):
 
 
 class Placement(_Message):
-    strategy: Literal["single", "ring"]
+    strategy: Literal["single", "ring", "pipeline"]
     ring_size: int
     nodes: list[str]
     group_id: str
@@ -103,6 +106,26 @@ class JobRecord(_Message):
     error: str | None = None
     created_at: float
     updated_at: float
+
+
+class BatchEntry(_Message):
+    """One request of a batch; model and max_tokens are kept here so results need not read
+    the job's spec (and with it the whole document)."""
+
+    custom_id: str
+    job_id: str
+    model: str
+    max_tokens: int
+
+
+class BatchRecord(_Message):
+    """A batch as submitted: its jobs in input order."""
+
+    id: str
+    created_at: float
+    input_name: str
+    entries: list[BatchEntry]
+    skipped_lines: int = 0  # invalid lines left out with --skip-invalid
 
 
 class NodeInfo(_Message):

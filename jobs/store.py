@@ -2,6 +2,7 @@
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -18,24 +19,25 @@ class JobStore:
         self.job_ttl_s = job_ttl_s
 
     def create(self, job_id: str, spec: JobSpec) -> JobRecord:
-        now = time.time()
-        record = JobRecord(
-            id=job_id,
-            kind=spec.kind,
-            state=JobState.QUEUED,
-            spec=spec,
-            progress=Progress(phase=JobState.QUEUED),
-            created_at=now,
-            updated_at=now,
-        )
         if not self.conn.hsetnx(keys.job(job_id), "id", json.dumps(job_id)):
             raise InvalidJobError(f"a job with id {job_id!r} already exists; choose another --id")
         with self.conn.pipeline() as pipe:
-            pipe.hset(keys.job(job_id), mapping=_encode(record.model_dump(mode="json")))
-            pipe.expire(keys.job(job_id), self.job_ttl_s)
-            pipe.zadd(keys.JOBS_INDEX, {job_id: now})
+            [record] = self.create_in(pipe, [(job_id, spec)], time.time())
             pipe.execute()
         return record
+
+    def create_in(
+        self, pipe: redis.client.Pipeline, jobs: Sequence[tuple[str, JobSpec]], now: float
+    ) -> list[JobRecord]:
+        """Queue the writes of new records on `pipe` without checking the ids are free: for
+        callers that own their ids (a batch derives them from its own, claimed id)."""
+        records = [_new_record(job_id, spec, now) for job_id, spec in jobs]
+        for record in records:
+            pipe.hset(keys.job(record.id), mapping=_encode(record.model_dump(mode="json")))
+            pipe.expire(keys.job(record.id), self.job_ttl_s)
+        if records:
+            pipe.zadd(keys.JOBS_INDEX, {record.id: now for record in records})
+        return records
 
     def get(self, job_id: str) -> JobRecord:
         raw = self.conn.hgetall(keys.job(job_id))
@@ -102,6 +104,18 @@ class JobStore:
 
     def remove_node(self, name: str) -> None:
         self.conn.delete(keys.node(name))
+
+
+def _new_record(job_id: str, spec: JobSpec, now: float) -> JobRecord:
+    return JobRecord(
+        id=job_id,
+        kind=spec.kind,
+        state=JobState.QUEUED,
+        spec=spec,
+        progress=Progress(phase=JobState.QUEUED, updated_at=now),
+        created_at=now,
+        updated_at=now,
+    )
 
 
 def _phase(record: JobRecord, phase: JobState) -> Progress:

@@ -1,9 +1,12 @@
 """Putting jobs into Redis: a record plus an RQ job on the admit queue (JSON serializer only)."""
 
+import time
 import uuid
+from collections.abc import Sequence
 
 import redis
 from rq import Queue
+from rq.queue import EnqueueData
 from rq.serializers import JSONSerializer
 
 from jobs import keys
@@ -33,7 +36,35 @@ def submit_job(conn: redis.Redis, spec: JobSpec, job_id: str | None = None) -> J
         raise InvalidJobError(str(exc)) from None
     resolve_model(spec.model)  # an unknown model is the user's error: say so now, not later
     record = JobStore(conn).create(job_id, spec)
-    admit_queue(conn).enqueue(
-        "jobs.dispatcher.admit_job", job_id, job_id=f"admit-{job_id}", result_ttl=3600
-    )
+    admit_queue(conn).enqueue_many([admit_data(job_id)])
     return record
+
+
+def admit_data(job_id: str) -> EnqueueData:
+    """The dispatcher's RQ job for one ringq job."""
+    return Queue.prepare_data(
+        "jobs.dispatcher.admit_job", (job_id,), job_id=f"admit-{job_id}", result_ttl=3600
+    )
+
+
+def enqueue_jobs(
+    conn: redis.Redis, jobs: Sequence[tuple[str, JobSpec]], chunk_jobs: int = 1000
+) -> list[JobRecord]:
+    """Record and enqueue many jobs with a few pipelines (one round trip per `chunk_jobs`)
+    instead of several round trips each. Ids are not checked to be free: pass fresh ones.
+    Each job's record is written before its RQ job, so the dispatcher never finds an RQ job
+    without its record."""
+    for model in sorted({spec.model for _, spec in jobs}):
+        resolve_model(model)  # once per distinct model: a GGUF read takes seconds
+    store, queue = JobStore(conn), admit_queue(conn)
+    records: list[JobRecord] = []
+    for start in range(0, len(jobs), chunk_jobs):
+        chunk = jobs[start : start + chunk_jobs]
+        now = time.time()
+        # No MULTI: a transaction's per-command replies double the parsing, and the order of
+        # commands on one connection already writes every record before its RQ job.
+        with conn.pipeline(transaction=False) as pipe:
+            records += store.create_in(pipe, chunk, now)
+            queue.enqueue_many([admit_data(job_id) for job_id, _ in chunk], pipeline=pipe)
+            pipe.execute()
+    return records

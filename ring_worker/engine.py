@@ -1,7 +1,16 @@
-"""Prefill and decode over a ring group (or one device when the group is None). No Redis here."""
+"""Prefill and decode on one rank of a group, for each strategy. No Redis here.
+
+- `Engine`: one device, plain mlx-lm modules (the `single` strategy and the baseline).
+- `RingEngine`: sequence parallel; every rank holds every layer, attention is ring attention.
+- `PipelineEngine` (ring_worker/pipeline.py): layers split over ranks, chunks flow rank to rank.
+`ring_worker/strategies.py` picks one for a group.
+
+The loops (chunking, progress, agreeing on a stop, sampling) live here once; a strategy says how
+one prefill step and one decode step run, and which rank holds the last position.
+"""
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -29,7 +38,7 @@ class Cancelled(Exception):
 @dataclass(frozen=True)
 class PrefillResult:
     logits: mx.array  # (vocab,) float32 at the last prompt position, identical on every rank
-    cache: list[Any]  # mlx-lm KV caches holding the whole prompt (replicated on every rank)
+    cache: list[Any]  # this rank's mlx-lm KV caches (what they hold depends on the strategy)
     prompt_tokens: int
     seconds: float
 
@@ -40,25 +49,37 @@ class DecodeResult:
     seconds: float
 
 
-class Engine:
-    """One model on one rank; `ring` is None for the single-device path (plain mlx-lm)."""
+@dataclass(frozen=True)
+class Step:
+    """What one prefill step did on this rank: the chunk it finished (None when idle) and, after
+    the prompt's last chunk on the rank holding the last position, that position's hidden state."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        group: Any = None,
-        exchange: Exchange = "rotate",
-        kv_layout: KVLayout = "replicated",
-    ):
+    chunk: int | None
+    last_hidden: mx.array | None = None
+
+
+class Engine:
+    """One model on one rank. This base class is the single-device path: mlx-lm's own modules,
+    chunked prefill, the LM head applied to the last position only."""
+
+    def __init__(self, model: nn.Module, group: Any = None):
         self.model = model
-        multi = group is not None and group.size() > 1
-        self.ring = Ring(group, exchange, kv_layout) if multi else None
-        if self.ring is not None:
-            install_ring_attention(model, self.ring)
+        self.group = group if group is not None and group.size() > 1 else None
 
     @property
     def rank(self) -> int:
-        return self.ring.rank if self.ring else 0
+        return self.group.rank() if self.group is not None else 0
+
+    @property
+    def size(self) -> int:
+        return self.group.size() if self.group is not None else 1
+
+    @property
+    def last_rank(self) -> int:
+        """The rank that holds the last position's hidden state and samples decode tokens."""
+        return 0
+
+    # -- prefill ---------------------------------------------------------------------------
 
     def prefill(
         self,
@@ -67,49 +88,34 @@ class Engine:
         on_progress: ProgressFn | None = None,
         should_stop: StopFn | None = None,
     ) -> PrefillResult:
-        """Chunked prefill. `should_stop`, if given, must be given on every rank: the ranks agree
-        on it (one tiny collective) after every chunk and raise Cancelled together."""
+        """Chunked prefill. Progress goes (0, total), then once per chunk up to (total, total) on
+        every rank, for every strategy. `should_stop`, if given, must be given on every rank: the
+        ranks agree on it (one tiny collective) after every step and raise Cancelled together."""
         if not tokens:
             raise ValueError("cannot prefill an empty prompt")
         started = time.perf_counter()
-        cache = make_prompt_cache(self.model)
-        if self.ring is not None:
-            self.ring.position, self.ring.past_lengths = 0, [0] * self.ring.size
         total = len(tokens)
+        chunks = [tokens[s : s + chunk_tokens] for s in range(0, total, chunk_tokens)]
+        ends = [min((i + 1) * chunk_tokens, total) for i in range(len(chunks))]
+        cache = make_prompt_cache(self.model)
+        if on_progress:
+            on_progress("prefill", 0, total)
         hidden = None
-        for start in range(0, total, chunk_tokens):
-            chunk = tokens[start : start + chunk_tokens]
-            hidden = self._prefill_chunk(chunk, cache)
-            done = start + len(chunk)
-            if on_progress:
-                on_progress("prefill", done, total)
+        for step in self._prefill_steps(chunks, cache):
+            if step.last_hidden is not None:
+                hidden = step.last_hidden
+            if step.chunk is not None and on_progress:
+                on_progress("prefill", ends[step.chunk], total)
             if should_stop is not None and self._agree_flags([0, int(should_stop())])[1]:
+                done = ends[step.chunk] if step.chunk is not None else 0
                 raise Cancelled(f"stopped after {done} of {total} prompt tokens")
         logits = self._share_last_logits(hidden)
         return PrefillResult(logits, cache, total, time.perf_counter() - started)
 
-    def _prefill_chunk(self, chunk: list[int], cache: list[Any]) -> mx.array | None:
-        """Run one chunk; return the final hidden state on rank 0 (which holds the last token)."""
-        ring = self.ring
-        if ring is None or len(chunk) < 2 * ring.size:
-            # Too short to split: every rank runs the whole chunk (identical results everywhere;
-            # with sharded KV only the step owner, rank 0, keeps its K/V).
-            if ring is not None:
-                ring.step_owner = 0
+    def _prefill_steps(self, chunks: list[list[int]], cache: list[Any]) -> Iterator[Step]:
+        for index, chunk in enumerate(chunks):
             hidden = self._forward(chunk, cache)
-            if ring is not None:
-                ring.past_lengths[0] += len(chunk)
-                ring.position += len(chunk)
-            return hidden[:, -1:]
-        split = ChunkSplit.zigzag(len(chunk), ring.size)
-        ring.split = split
-        try:
-            hidden = self._forward(split.local_tokens(chunk, ring.rank), cache)
-        finally:
-            ring.split = None
-        ring.past_lengths = [n + split.local_length(r) for r, n in enumerate(ring.past_lengths)]
-        ring.position += len(chunk)
-        return hidden[:, -1:] if ring.rank == ChunkSplit.last_token_rank else None
+            yield Step(index, hidden[:, -1:] if index == len(chunks) - 1 else None)
 
     def _forward(self, tokens: list[int], cache: list[Any]) -> mx.array:
         hidden = self.model.model(mx.array([tokens]), cache=cache)
@@ -117,16 +123,20 @@ class Engine:
         return hidden
 
     def _share_last_logits(self, hidden: mx.array | None) -> mx.array:
-        """Logits of the last prompt position only, broadcast from rank 0, which holds it."""
-        logits = None if hidden is None else logits_from_hidden(self.model, hidden)[0, -1]
-        if self.ring is None:
+        """Logits of the last prompt position only, sent from the rank that holds it to all."""
+        logits = None
+        if hidden is not None and self.rank == self.last_rank:
+            logits = logits_from_hidden(self.model, hidden)[0, -1]
+        if self.group is None:
             assert logits is not None
             return logits.astype(mx.float32)
-        if logits is None or self.ring.rank != ChunkSplit.last_token_rank:
+        if logits is None:
             logits = mx.zeros((self.model.args.vocab_size,), dtype=mx.float32)
-        shared = mx.distributed.all_sum(logits.astype(mx.float32), group=self.ring.group)
+        shared = mx.distributed.all_sum(logits.astype(mx.float32), group=self.group)
         mx.eval(shared)
         return shared
+
+    # -- decode ----------------------------------------------------------------------------
 
     def decode(
         self,
@@ -139,15 +149,16 @@ class Engine:
         on_progress: ProgressFn | None = None,
         should_stop: StopFn | None = None,
     ) -> DecodeResult:
-        """Replicated decode: every rank steps the full model; rank 0's token is broadcast
-        together with the ranks' stop flags (one collective per token)."""
+        """Every rank takes part in every step; the last rank's token is broadcast together with
+        the ranks' stop flags (one collective per token)."""
         started = time.perf_counter()
         mx.random.seed(seed)
         sampler = make_sampler(temp=temperature)
-        logits, tokens = prefill.logits, list[int]()
+        logits: mx.array | None = prefill.logits
+        tokens = list[int]()
         while len(tokens) < max_tokens:
             stop = int(should_stop()) if should_stop is not None else 0
-            token, stopping = self._agree_flags([self._sampled(sampler(logits[None])), stop])
+            token, stopping = self._agree_flags([self._sampled(sampler, logits), stop])
             if stopping:
                 raise Cancelled(f"stopped after {len(tokens)} generated tokens")
             tokens.append(token)
@@ -158,35 +169,93 @@ class Engine:
             logits = self._decode_step(token, prefill.cache)
         return DecodeResult(tokens, time.perf_counter() - started)
 
-    def _decode_step(self, token: int, cache: list[Any]) -> mx.array:
-        """Logits after `token`. Sharded KV: the step's K/V go to rank position % N, in turn."""
-        ring = self.ring
-        if ring is not None:
-            ring.step_owner = ring.position % ring.size
+    def _decode_step(self, token: int, cache: list[Any]) -> mx.array | None:
+        """Logits after `token` (None on ranks that do not sample)."""
         logits = self.model(mx.array([[token]]), cache=cache)[0, -1].astype(mx.float32)
-        mx.eval(logits)  # every rank, now: sharded steps hold collectives every rank must join
-        if ring is not None:
-            ring.position += 1
+        mx.eval(logits)
         return logits
 
-    def _sampled(self, sampled: mx.array) -> int:
-        """Rank 0's sample counts; other ranks contribute 0 to the sum."""
-        return cast(int, sampled.item()) if self.rank == 0 else 0
+    def _sampled(self, sampler: Callable[[mx.array], mx.array], logits: mx.array | None) -> int:
+        """The sampling rank's token; other ranks contribute 0 to the sum."""
+        if self.rank != self.last_rank or logits is None:
+            return 0
+        return cast(int, sampler(logits[None]).item())
+
+    # -- agreement -------------------------------------------------------------------------
 
     def _agree_flags(self, values: list[int]) -> list[int]:
-        """Element-wise sum over ranks (a broadcast from rank 0 when the others send zeros)."""
-        if self.ring is None:
+        """Element-wise sum over ranks (a broadcast when only one rank sends non-zeros)."""
+        if self.group is None:
             return values
-        summed = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.ring.group)
+        summed = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group)
         return cast(list[int], summed.tolist())
 
     def gather_ints(self, value: int) -> list[int]:
         """One integer from every rank, in rank order (e.g. peak memory)."""
-        if self.ring is None:
+        if self.group is None:
             return [value]
-        mine = mx.zeros((self.ring.size,), dtype=mx.int64)
-        mine[self.ring.rank] = value
-        return cast(list[int], mx.distributed.all_sum(mine, group=self.ring.group).tolist())
+        mine = mx.zeros((self.size,), dtype=mx.int64)
+        mine[self.rank] = value
+        return cast(list[int], mx.distributed.all_sum(mine, group=self.group).tolist())
+
+
+class RingEngine(Engine):
+    """Sequence parallel: each chunk is split zigzag over the ranks; attention is ring attention
+    (ring_worker/ring_attention.py), everything else runs on each rank's own tokens."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        group: Any,
+        exchange: Exchange = "rotate",
+        kv_layout: KVLayout = "replicated",
+    ):
+        super().__init__(model, group)
+        assert self.group is not None, "a ring needs a group of two or more ranks"
+        self.ring = Ring(self.group, exchange, kv_layout)
+        install_ring_attention(model, self.ring)
+
+    @property
+    def last_rank(self) -> int:
+        return ChunkSplit.last_token_rank
+
+    def _prefill_steps(self, chunks: list[list[int]], cache: list[Any]) -> Iterator[Step]:
+        ring = self.ring
+        ring.position, ring.past_lengths = 0, [0] * ring.size
+        for index, chunk in enumerate(chunks):
+            hidden = self._ring_chunk(chunk, cache)
+            last = index == len(chunks) - 1 and hidden is not None
+            yield Step(index, hidden[:, -1:] if last and hidden is not None else None)
+
+    def _ring_chunk(self, chunk: list[int], cache: list[Any]) -> mx.array | None:
+        """Run one chunk; return the hidden states on the rank that holds the chunk's last token."""
+        ring = self.ring
+        if len(chunk) < 2 * ring.size:
+            # Too short to split: every rank runs the whole chunk (identical results everywhere;
+            # with sharded KV only the step owner, rank 0, keeps its K/V).
+            ring.step_owner = 0
+            hidden = self._forward(chunk, cache)
+            ring.past_lengths[0] += len(chunk)
+            ring.position += len(chunk)
+            return hidden
+        split = ChunkSplit.zigzag(len(chunk), ring.size)
+        ring.split = split
+        try:
+            hidden = self._forward(split.local_tokens(chunk, ring.rank), cache)
+        finally:
+            ring.split = None
+        ring.past_lengths = [n + split.local_length(r) for r, n in enumerate(ring.past_lengths)]
+        ring.position += len(chunk)
+        return hidden if ring.rank == ChunkSplit.last_token_rank else None
+
+    def _decode_step(self, token: int, cache: list[Any]) -> mx.array | None:
+        """Every rank steps the full model. Sharded KV: the step's K/V go to rank position % N,
+        in turn, and the step's logits must be evaluated on every rank (collectives inside)."""
+        ring = self.ring
+        ring.step_owner = ring.position % ring.size
+        logits = super()._decode_step(token, cache)
+        ring.position += 1
+        return logits
 
 
 def logits_from_hidden(model: nn.Module, hidden: mx.array) -> mx.array:

@@ -1,28 +1,48 @@
-"""Joining an mx.distributed ring group from a list of rank addresses."""
+"""Joining an mx.distributed group from a list of rank addresses: MLX's ring backend (TCP, any
+device, send/recv between neighbours) or NCCL (CUDA; collectives only, no send/recv)."""
 
 import json
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 
+Backend = Literal["ring", "nccl"]
 
-def join_group(addresses: list[str], rank: int, scratch_dir: Path) -> Any:
-    """Join the ring of `addresses` ("host:port", one per rank) as `rank`; None when alone."""
+
+def join_group(
+    addresses: list[str], rank: int, scratch_dir: Path, backend: Backend = "ring"
+) -> Any:
+    """Join the group of `addresses` ("host:port", one per rank) as `rank`; None when alone.
+    NCCL bootstraps from rank 0's address."""
     if len(addresses) == 1:
         return None
-    hostfile = scratch_dir / f"hostfile-rank{rank}.json"
-    hostfile.write_text(json.dumps([[address] for address in addresses]))
-    os.environ["MLX_HOSTFILE"] = str(hostfile)
     os.environ["MLX_RANK"] = str(rank)
-    group = mx.distributed.init(strict=True, backend="ring")
+    if backend == "nccl":
+        host, _, port = addresses[0].rpartition(":")
+        os.environ.update(
+            {"MLX_WORLD_SIZE": str(len(addresses)), "NCCL_HOST_IP": host, "NCCL_PORT": port}
+        )
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    else:
+        hostfile = scratch_dir / f"hostfile-rank{rank}.json"
+        hostfile.write_text(json.dumps([[address] for address in addresses]))
+        os.environ["MLX_HOSTFILE"] = str(hostfile)
+    group = mx.distributed.init(strict=True, backend=backend)
     if group.size() != len(addresses) or group.rank() != rank:
         raise RuntimeError(
             f"joined as {group.rank()}/{group.size()}, expected {rank}/{len(addresses)}"
         )
     return group
+
+
+def group_backend(strategy: str, exchange: str) -> Backend:
+    """NCCL where every collective the strategy needs is one NCCL has (a CUDA ring exchanging K/V
+    by all-gather); MLX's ring backend elsewhere (rotation and pipelines need send/recv)."""
+    cuda = mx.cuda.is_available()
+    return "nccl" if cuda and strategy == "ring" and exchange == "allgather" else "ring"
 
 
 def free_loopback_ports(count: int, host: str = "127.0.0.1") -> list[int]:

@@ -71,7 +71,7 @@ def run_local(
                 "--events-file",
                 str(events),
             ],
-            rank_environment(blas, threads=threads),
+            rank_environment(blas, threads=threads, local_rank=rank),
             scratch / f"rank{rank}.log",
         )
         for rank in range(ring_size)

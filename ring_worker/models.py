@@ -10,6 +10,7 @@ import importlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -23,6 +24,7 @@ from jobs.model_catalog import (
     config_from_gguf_metadata,
     default_dtype,
     load_tokenizer,
+    model_config,
     resolve_model,
 )
 
@@ -50,19 +52,29 @@ _GGUF_TOP_NAMES = {
 
 
 def load_model(
-    source: ModelSource, *, dtype: mx.Dtype | None = None, dequantize: bool = True
+    source: ModelSource,
+    *,
+    dtype: mx.Dtype | None = None,
+    dequantize: bool = True,
+    prune: Callable[[nn.Module], object] | None = None,
 ) -> nn.Module:
     """mlx-lm's Model for `source`, computing in `dtype` (default: catalog.default_dtype).
 
     dequantize=True turns quantized weights dense (CPU nodes: 4-bit matmul on CPU is slow);
     False keeps them as QuantizedLinear / QuantizedEmbedding with their own bits and group size.
+    `prune` runs before the weights are evaluated (a pipeline stage drops the layers it does not
+    run, so they are never materialised).
     """
     started_s = time.perf_counter()
     dtype = dtype or getattr(mx, default_dtype(source))
     if source.format == "gguf":
         model = _load_gguf(source.path, dtype, dequantize)
+    elif source.format == "random":
+        model = _random_model(model_config(source), dtype)
     else:
         model = _load_hf_dir(source.path, dtype, dequantize)
+    if prune is not None:
+        prune(model)
     mx.eval(model.parameters())
     logger.info(
         "loaded model %s (%s, %s, dequantize=%s) in %.2f s",
@@ -72,6 +84,26 @@ def load_model(
         dequantize,
         time.perf_counter() - started_s,
     )
+    return model
+
+
+def load_for_this_device(
+    source: ModelSource, prune: Callable[[nn.Module], object] | None = None
+) -> nn.Module:
+    """What a rank computes with: on CPU dense float32 (4-bit / bf16 matmul is 10-20x slower
+    there), elsewhere the model's own dtype and quantisation."""
+    cpu = not (mx.metal.is_available() or mx.cuda.is_available())
+    return load_model(source, dtype=mx.float32 if cpu else None, dequantize=cpu, prune=prune)
+
+
+def _random_model(config: dict[str, Any], dtype: mx.Dtype, seed: int = 0) -> nn.Module:
+    """mlx-lm's own initialisation from a fixed seed: every rank builds the same weights. Nothing
+    is materialised until load_model evaluates (after any pruning)."""
+    model_class, args_class = _model_classes(config["model_type"])
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    model.eval()
+    _cast_floats(model, dtype)
     return model
 
 

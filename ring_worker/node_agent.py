@@ -6,12 +6,10 @@ kill their ranks of failed groups, so no process is left behind."""
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import psutil
 import redis
@@ -23,6 +21,7 @@ from jobs.schemas import GroupSpec, NodeInfo
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import node_queue
+from ring_worker.devices import cuda_memory_bytes, node_backend
 from ring_worker.processes import rank_environment, spawn_rank, terminate_all
 
 log = logging.getLogger(__name__)
@@ -64,12 +63,15 @@ class NodeAgent:
         self.scratch.mkdir(parents=True, exist_ok=True)
 
     def info(self) -> NodeInfo:
-        total = psutil.virtual_memory().total
+        """Memory admission may plan with: the GPU's on CUDA nodes, host memory elsewhere."""
+        backend = node_backend()
+        cuda = cuda_memory_bytes() if backend == "cuda" else None
+        free, total = cuda or (psutil.virtual_memory().available, psutil.virtual_memory().total)
         limit = min(self.memory_limit_bytes or total, total)
-        available = min(limit, psutil.virtual_memory().available)
+        available = min(limit, free)
         return NodeInfo(
             name=self.name,
-            backend=node_backend(),
+            backend=backend,
             memory_bytes=limit,
             available_bytes=available,
             address=self.address,
@@ -97,7 +99,9 @@ class NodeAgent:
         ]
         local_ranks = sum(1 for n in group.nodes if n == self.name)
         env = rank_environment(
-            self.settings.blas, threads=max(1, (os.cpu_count() or 1) // local_ranks)
+            self.settings.blas,
+            threads=max(1, (os.cpu_count() or 1) // local_ranks),
+            local_rank=group.nodes[:rank].count(self.name),
         )
         process = spawn_rank(argv, env, log_path)
         with self.lock:
@@ -181,12 +185,6 @@ def start_rank(group: dict, rank: int) -> str:
     spec = GroupSpec.model_validate(group)
     _agent.start_rank(spec, rank)
     return f"started rank {rank} of group {spec.group_id}"
-
-
-def node_backend() -> Literal["cpu", "metal", "cuda"]:
-    if sys.platform == "darwin":
-        return "metal"
-    return "cuda" if os.environ.get("RINGQ_BACKEND") == "cuda" else "cpu"
 
 
 def log_tail(path: Path) -> str:

@@ -9,6 +9,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ring_worker.devices import node_backend, rank_device_environment
+
 log = logging.getLogger(__name__)
 
 OPENBLAS_CANDIDATES = (
@@ -23,13 +25,18 @@ def find_openblas() -> str | None:
     return next((path for path in OPENBLAS_CANDIDATES if Path(path).exists()), None)
 
 
-def rank_environment(blas: str = "auto", threads: int | None = None) -> dict[str, str]:
-    """Environment for a rank process. MLX's Linux CPU wheel links reference BLAS; preloading
-    OpenBLAS makes fp32 matmul 25-35x faster (design.md). `blas="off"` disables it."""
+def rank_environment(
+    blas: str = "auto", threads: int | None = None, local_rank: int = 0
+) -> dict[str, str]:
+    """Environment for the `local_rank`-th rank process on this machine. CPU: MLX's Linux wheel
+    links reference BLAS; preloading OpenBLAS makes fp32 matmul 25-35x faster (design.md),
+    `blas="off"` disables it. CUDA: one GPU per rank (ring_worker/devices.py)."""
     env = dict(os.environ)
+    backend = node_backend()
+    env.update(rank_device_environment(local_rank))
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "openblas" not in p]
     wanted = blas != "off" and sys.platform.startswith("linux")
-    openblas = find_openblas() if wanted and env.get("RINGQ_BACKEND") != "cuda" else None
+    openblas = find_openblas() if wanted and backend == "cpu" else None
     env["LD_PRELOAD"] = ":".join([openblas, *preload] if openblas else preload)
     if threads:  # ranks sharing one machine split its cores instead of oversubscribing them
         env["OPENBLAS_NUM_THREADS"] = str(threads)

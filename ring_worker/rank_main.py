@@ -8,20 +8,23 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from jobs.errors import RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import ChatTokenizer, load_tokenizer, resolve_model
 from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
 from jobs.settings import get_settings
+from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
-from ring_worker.group import join_group
+from ring_worker.group import group_backend, join_group
 from ring_worker.job_io import FileJobIO, JobIO, RedisJobIO
-from ring_worker.models import load_model
+from ring_worker.models import load_for_this_device
+from ring_worker.pipeline import keep_stage
+from ring_worker.strategies import make_engine
 from ring_worker.watchdog import Watchdog, loading_timeout_s
 
 log = logging.getLogger(__name__)
@@ -65,16 +68,19 @@ def start_engine(
     group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path
 ) -> tuple[Engine, ChatTokenizer]:
     """Join the group and load the model; ranks of a job cancelled meanwhile stop together."""
-    if group.strategy == "pipeline":
-        raise RingqError("the pipeline strategy is not implemented yet; use ring or single")
-    mx_group = join_group(group.addresses, rank, scratch_dir)
+    cap_device_memory()
+    backend = group_backend(group.strategy, group.exchange)
+    mx_group = join_group(group.addresses, rank, scratch_dir, backend)
     stop_if_cancelled(mx_group, io, "before loading the model")
     source = resolve_model(group.model)
-    cpu = on_cpu()  # CPU: dense float32 (4-bit / bf16 matmul is ~10-20x slower there)
-    model = load_model(source, dtype=mx.float32 if cpu else None, dequantize=cpu)
+    prune = None
+    if group.strategy == "pipeline" and len(group.addresses) > 1:
+        prune = partial(keep_stage, rank=rank, size=len(group.addresses))
+    model = load_for_this_device(source, prune)
     tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
     stop_if_cancelled(mx_group, io, "after loading the model")
-    return Engine(model, mx_group, group.exchange, group.decode_kv), tokenizer
+    engine = make_engine(model, mx_group, group.strategy, group.exchange, group.decode_kv)
+    return engine, tokenizer
 
 
 def stop_if_cancelled(mx_group: Any, io: JobIO, when: str) -> None:
@@ -159,10 +165,6 @@ def throttled(io: JobIO, lead: bool):
         )
 
     return report
-
-
-def on_cpu() -> bool:
-    return not (mx.metal.is_available() or mx.cuda.is_available())
 
 
 def main(argv: list[str] | None = None) -> int:

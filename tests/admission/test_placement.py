@@ -56,11 +56,26 @@ def test_quantized_nodes_count_stored_weights():
         (request(ring_size=2), nodes(8, 8, 8), "ring", 2),
         (request(sharding="single", tokens=4000), nodes(8, 8), "single", 1),
         (request(sharding="ring", tokens=10), nodes(8, 8, 8), "ring", 2),  # fewest that fit
+        (request(sharding="pipeline", ring_size=3), nodes(8, 8, 8), "pipeline", 3),
+        (request(sharding="pipeline"), nodes(8, 8), "pipeline", 2),
     ],
 )
 def test_plans(req, live, strategy, count):
     plan = plan_placement(SHAPE, req, live)
     assert plan.strategy == strategy and len(plan.nodes) == count
+
+
+def test_pipeline_ranks_hold_their_share_of_weights_and_kv():
+    ring = estimate_node_bytes(SHAPE, 1000, 24, 3, 512, dense_weights=True)
+    pipeline = estimate_node_bytes(SHAPE, 1000, 24, 3, 512, dense_weights=True, pipeline=True)
+    assert pipeline.weights_bytes == ring.weights_bytes * 10 // 30
+    assert pipeline.kv_bytes == ring.kv_bytes * 10 // 30
+    assert pipeline.activation_bytes > ring.activation_bytes  # whole chunks, not 1/N of them
+
+
+def test_a_pipeline_longer_than_the_model_is_refused():
+    with pytest.raises(CannotPlace, match="a pipeline of 31 needs 31 layers; the model has 30"):
+        plan_placement(SHAPE, request(sharding="pipeline", ring_size=31), nodes(*[8] * 31))
 
 
 def test_largest_nodes_first():

@@ -32,7 +32,7 @@ def test_bench_measures_every_cell(tiny_llama_dir, tmp_path):
         "--tg",
         "4",
         "--sharding",
-        "single,ring",
+        "single,ring,pipeline,mlx-lm",
         "--warmup",
         "0",
         "--repeat",
@@ -56,16 +56,20 @@ def test_bench_measures_every_cell(tiny_llama_dir, tmp_path):
     )
     assert report["config"]["pp"] == [64, 128] and report["config"]["chunk_tokens"] == 64
     cells = {(c["pp"], c["strategy"]): c for c in report["cells"]}
-    assert set(cells) == {(64, "single"), (64, "ring"), (128, "single"), (128, "ring")}
+    strategies = ("single", "ring", "pipeline", "mlx-lm")
+    assert set(cells) == {(pp, s) for pp in (64, 128) for s in strategies}
+    assert report["machine"]["matmul_peak"]["tflops"] > 0
     for (pp, strategy), cell in cells.items():
         assert cell["status"] == "ok" and cell["error"] is None, cell
         assert all(cell[name]["min"] > 0 for name in METRICS), cell
         assert 1 <= cell["generated_tokens"]["max"] <= 4
         assert cell["runs"][0]["prompt_tokens"] == pp
-        assert len(cell["peak_memory_bytes"]) == (1 if strategy == "single" else 2)
+        assert len(cell["peak_memory_bytes"]) == (1 if strategy in ("single", "mlx-lm") else 2)
         assert all(b > 0 for b in cell["peak_memory_bytes"])
-        assert cell["ratio_vs_single"] > 0
+        assert cell["ratio_vs_single"] > 0 and cell["ratio_vs_mlx_lm"] > 0
+        assert 0 < cell["mfu"] < 1
     assert cells[(64, "single")]["ratio_vs_single"] == 1.0
+    assert cells[(128, "mlx-lm")]["ratio_vs_mlx_lm"] == 1.0
     assert plot.read_bytes().startswith(PNG_SIGNATURE) and plot.stat().st_size > 1000
 
 

@@ -19,7 +19,7 @@ from jobs import keys
 from jobs.cancel import cancel_job
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
-from jobs.schemas import JobKind, JobRecord, JobSpec, Placement, Progress
+from jobs.schemas import JobKind, JobRecord, JobSpec, Placement, Progress, Sharding
 from jobs.store import JobStore
 from jobs.submit import submit_job
 from tests.helpers import (
@@ -47,8 +47,14 @@ def store(cancel_cluster):
     return JobStore(connect(cancel_cluster.url))
 
 
-def prefill_spec(model_dir) -> JobSpec:
-    return JobSpec(kind=JobKind.PREFILL, document=LONG_DOCUMENT, model=str(model_dir), ring_size=2)
+def prefill_spec(model_dir, sharding: Sharding = Sharding.AUTO) -> JobSpec:
+    return JobSpec(
+        kind=JobKind.PREFILL,
+        document=LONG_DOCUMENT,
+        model=str(model_dir),
+        ring_size=2,
+        sharding=sharding,
+    )
 
 
 def test_cancel_queued_job_never_starts(cancel_cluster, store, tiny_llama_dir):
@@ -81,10 +87,14 @@ def test_cancel_admitted_job_its_ranks_exit_cleanly(cancel_cluster, store, tiny_
     assert final.state == JobState.CANCELLED and final.error == "cancelled before it started"
 
 
-def test_cancel_running_job_stops_every_rank_at_a_chunk(cancel_cluster, store, tiny_llama_dir):
-    record = submit_job(store.conn, prefill_spec(tiny_llama_dir))
+@pytest.mark.parametrize("sharding", [Sharding.RING, Sharding.PIPELINE])
+def test_cancel_running_job_stops_every_rank_at_a_chunk(
+    cancel_cluster, store, tiny_llama_dir, sharding
+):
+    record = submit_job(store.conn, prefill_spec(tiny_llama_dir, sharding))
     record = wait_for(lambda: in_prefill(store.get(record.id)), "prefill to start")
     assert record.placement is not None
+    assert record.placement.strategy == sharding.value
     ranks = rank_processes(record.placement.group_id)
     assert len(ranks) == 2
     with stopped(ranks):  # the ring waits mid-prefill while `ringq cancel` runs

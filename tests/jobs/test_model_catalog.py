@@ -228,3 +228,26 @@ def test_chat_without_template_is_a_job_error(tmp_path, smollm2_tokenizer):
     tokenizer = load_tokenizer(resolve_model(str(path)))
     with pytest.raises(InvalidJobError, match="no chat template"):
         tokenizer.chat_tokens([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    ("name", "parameters"),
+    [("random:llama-3.1-8b", 8_030_261_248), ("random:llama-3.2-1b", 1_235_814_400)],
+)
+def test_random_models_have_the_real_models_shapes(name, parameters):
+    """Parameter counts of Meta's Llama-3.1-8B and Llama-3.2-1B; bf16 like their releases."""
+    shape = read_model_shape(resolve_model(name))
+    assert shape.dense_weight_bytes == 2 * parameters and shape.compute_dtype_bytes == 2
+    assert shape.context_length == 131072
+
+
+def test_random_models_have_a_byte_tokenizer_without_eos():
+    tokenizer = load_tokenizer(resolve_model("random:tiny-llama"))
+    ids = tokenizer.encode("héllo")
+    assert len(ids) == len("héllo".encode()) and tokenizer.decode(ids) == "héllo"
+    assert tokenizer.eos_token_ids == frozenset()
+
+
+def test_unknown_random_preset_lists_the_presets():
+    with pytest.raises(UnknownModelError, match="presets: random:llama-3.1-8b"):
+        resolve_model("random:gpt-5")

@@ -57,11 +57,13 @@ def test_ring_generate_job_finishes_with_stats(store, tiny_llama_dir):
     assert result.prompt_tps > 0 and result.generation_tps > 0
 
 
-def test_ring_and_single_give_the_same_greedy_text(store, tiny_llama_dir):
+def test_ring_pipeline_and_single_give_the_same_greedy_text(store, tiny_llama_dir):
     ring = run_job(store, generate(tiny_llama_dir, ring_size=2))
+    pipeline = run_job(store, generate(tiny_llama_dir, ring_size=2, sharding="pipeline"))
     single = run_job(store, generate(tiny_llama_dir, sharding="single"))
     assert single.placement.strategy == "single" and single.placement.ring_size == 1
-    assert ring.result.text == single.result.text
+    assert pipeline.placement.strategy == "pipeline" and pipeline.placement.ring_size == 2
+    assert ring.result.text == pipeline.result.text == single.result.text
 
 
 def test_prefill_job(store, tiny_llama_dir):

@@ -1,4 +1,4 @@
-"""One rank of the ring-vs-single equivalence test (run as a fresh process by the test)."""
+"""One rank of the strategy-vs-single equivalence test (run as a fresh process by the test)."""
 
 import json
 import sys
@@ -7,27 +7,41 @@ from typing import cast
 
 import mlx.core as mx
 
-from ring_worker.engine import Engine
 from ring_worker.group import join_group
 from ring_worker.ring_attention import Exchange, KVLayout
+from ring_worker.strategies import make_engine
 from tests.ring_worker.tiny import load_tiny
 
 
 def main() -> None:
-    model_dir, rank, addresses, lengths, chunk, out_dir, exchange, kv_layout = sys.argv[1:9]
+    model_dir, rank, addresses, lengths, chunk, out_dir, strategy, exchange, kv_layout = sys.argv[
+        1:10
+    ]
     group = join_group(json.loads(addresses), int(rank), Path(out_dir))
+    assert strategy in ("ring", "pipeline")
     assert exchange in ("rotate", "allgather") and kv_layout in ("replicated", "sharded")
     model = load_tiny(Path(model_dir))
-    engine = Engine(model, group, cast(Exchange, exchange), cast(KVLayout, kv_layout))
+    engine = make_engine(
+        model, group, strategy, cast(Exchange, exchange), cast(KVLayout, kv_layout)
+    )
     results = {}
     for length in json.loads(lengths):
-        tokens = prompt_tokens(length)
-        prefill = engine.prefill(tokens, int(chunk))
+        progress: list[tuple[int, int]] = []
+        prefill = engine.prefill(prompt_tokens(length), int(chunk), on_progress=recorder(progress))
         kv_tokens = prefill.cache[0].offset  # this rank's KV after prefill
         decoded = engine.decode(prefill, 32)
-        results[str(length)] = {"tokens": decoded.tokens, "kv_tokens": kv_tokens}
+        results[str(length)] = {
+            "tokens": decoded.tokens,
+            "kv_tokens": kv_tokens,
+            "kv_layers": len(prefill.cache),
+            "progress": progress,
+        }
         mx.save(str(Path(out_dir) / f"logits-{length}-rank{rank}.npy"), prefill.logits)
     (Path(out_dir) / f"tokens-rank{rank}.json").write_text(json.dumps(results))
+
+
+def recorder(seen: list[tuple[int, int]]):
+    return lambda _, done, total: seen.append((done, total))
 
 
 def prompt_tokens(length: int) -> list[int]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ring_worker.engine import Engine
+from ring_worker.engine import RingEngine
 from ring_worker.group import join_group
 from tests.ring_worker.tiny import load_tiny
 
@@ -28,7 +28,7 @@ def record(name: str, real):
 def main() -> None:
     model_dir, rank, addresses, out_dir = sys.argv[1:5]
     group = join_group(json.loads(addresses), int(rank), Path(out_dir))
-    engine = Engine(load_tiny(Path(model_dir)), group, exchange="rotate")
+    engine = RingEngine(load_tiny(Path(model_dir)), group, exchange="rotate")
     mx.distributed.send = record("send", mx.distributed.send)
     mx.distributed.recv = record("recv", mx.distributed.recv)
     mx.async_eval = record("async_eval", mx.async_eval)

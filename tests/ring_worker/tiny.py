@@ -12,11 +12,11 @@ from mlx_lm.models import llama, qwen3
 ARCHITECTURES = {"llama": llama, "qwen3": qwen3}
 
 
-def save_tiny(path: Path, architecture: str, seed: int = 0) -> Path:
+def save_tiny(path: Path, architecture: str, seed: int = 0, layers: int = 2) -> Path:
     config = {
         "model_type": architecture,
         "hidden_size": 64,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": layers,
         "intermediate_size": 128,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,

@@ -1,0 +1,336 @@
+"""Reading a batch JSONL file into job specs, checking every line before anything is enqueued.
+
+Two line forms, told apart by the presence of `url`, `method` or `body`:
+
+- OpenAI Batch: `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {"model"?,
+  "messages", "max_tokens"? (or "max_completion_tokens"), "temperature"?}}` becomes a `generate`
+  job. ringq runs one user turn over a document, so the conversation is flattened: the last
+  message must be the user's and becomes the job's prompt (the question); every message before it
+  (system, developer, user), in order and joined by blank lines, becomes the document. A request
+  of a single user message is all document and has an empty prompt (no instruction is added).
+  Other body fields (top_p, n, ...) are ignored; assistant and tool messages are refused.
+- Plain: `{"custom_id", "document" | "document_path", "prompt"?, "kind"? ("prefill" | "generate",
+  default generate), "max_tokens"?, "temperature"?, "model"?}`; `document_path` is relative to
+  the JSONL file's directory.
+
+A line's own `model` is used unless the caller overrides every line's model (OpenAI files name
+models like "gpt-4o-mini" that ringq cannot run). Nothing is tokenised here: the dispatcher does
+that when it admits each job.
+"""
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from jobs.errors import BatchInputError, RingqError
+from jobs.model_catalog import resolve_model
+from jobs.schemas import JobKind, JobSpec
+
+CHAT_COMPLETIONS_URL = "/v1/chat/completions"
+LISTED_ERRORS = 20  # an error message names this many bad lines, then counts the rest
+CustomId = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class _Strict(BaseModel):
+    """Types as written in the JSON: "5" is not a number, unknown fields are typos."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)  # "name" and the like are ignored
+    role: str
+    content: str | list[TextPart]
+
+    @field_validator("role")
+    @classmethod
+    def _one_user_turn(cls, role: str) -> str:
+        if role not in ("system", "developer", "user"):
+            raise ValueError(
+                f"role {role!r} is not supported: ringq runs one user turn "
+                "(system, developer and user messages only)"
+            )
+        return role
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatBody(BaseModel):
+    model_config = ConfigDict(strict=True)  # other OpenAI parameters are ignored
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+
+
+class OpenAILine(_Strict):
+    custom_id: CustomId
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions"]
+    body: ChatBody
+
+
+class PlainLine(_Strict):
+    custom_id: CustomId
+    document: str | None = None
+    document_path: str | None = None
+    prompt: str | None = None
+    kind: Literal["prefill", "generate"] = "generate"
+    max_tokens: int | None = None
+    temperature: float | None = None
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _one_document(self) -> "PlainLine":
+        if (self.document is None) == (self.document_path is None):
+            raise ValueError("give exactly one of 'document' and 'document_path'")
+        return self
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    line_number: int
+    custom_id: str
+    spec: JobSpec
+
+
+@dataclass(frozen=True)
+class LineError:
+    line_number: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line_number}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What the caller sets for the whole batch: `model` overrides every line's model;
+    `max_tokens` applies to lines that give none."""
+
+    model: str | None
+    default_model: str
+    max_tokens: int
+    max_document_bytes: int
+
+
+@dataclass(frozen=True)
+class ParsedBatch:
+    input_name: str
+    items: list[BatchItem]
+    errors: list[LineError]
+
+
+def parse_batch_file(path: Path, defaults: Defaults) -> ParsedBatch:
+    """Every line of `path` checked: good ones as items, bad ones as errors with line numbers."""
+    try:
+        with path.open(encoding="utf-8-sig") as file:  # tolerate a byte-order mark
+            lines = file.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BatchInputError(f"cannot read {path}: {exc}", []) from None
+    return parse_batch_lines(lines, path.parent, path.name, defaults)
+
+
+def parse_batch_lines(
+    lines: list[str], base_dir: Path, input_name: str, defaults: Defaults
+) -> ParsedBatch:
+    """Blank lines are skipped; duplicate custom ids fail the later line, naming the first."""
+    items: list[BatchItem] = []
+    errors: list[LineError] = []
+    first_line: dict[str, int] = {}
+    check_model = _model_checker()
+    for number, line in _numbered(lines):
+        try:
+            item = _parse_line(number, line, base_dir, defaults)
+            check_model(item.spec.model)
+        except (ValueError, RingqError) as exc:
+            errors.append(LineError(number, _one_line(exc)))
+            continue
+        if item.custom_id in first_line:
+            first = first_line[item.custom_id]
+            errors.append(LineError(number, f"custom_id {item.custom_id!r} repeats line {first}"))
+            continue
+        first_line[item.custom_id] = number
+        items.append(item)
+    return ParsedBatch(input_name, items, errors)
+
+
+def require_valid(parsed: ParsedBatch, skip_invalid: bool) -> list[BatchItem]:
+    """The items to enqueue. Any bad line refuses the batch unless `skip_invalid`; a batch with
+    no good line is refused either way."""
+    if not parsed.items and not parsed.errors:
+        raise BatchInputError(f"{parsed.input_name}: no requests (the file has no lines)", [])
+    if parsed.errors and (not skip_invalid or not parsed.items):
+        raise BatchInputError(
+            describe_errors(parsed), [(e.line_number, e.message) for e in parsed.errors]
+        )
+    return parsed.items
+
+
+def describe_errors(parsed: ParsedBatch) -> str:
+    """One line: how many lines are bad, the first LISTED_ERRORS of them, a count of the rest."""
+    errors = parsed.errors
+    listed = "; ".join(str(error) for error in errors[:LISTED_ERRORS])
+    more = f"; and {len(errors) - LISTED_ERRORS} more" if len(errors) > LISTED_ERRORS else ""
+    hint = " (--skip-invalid enqueues the good ones)" if parsed.items else ""
+    return (
+        f"{parsed.input_name}: {len(errors)} invalid line(s), nothing enqueued{hint}: "
+        f"{listed}{more}"
+    )
+
+
+def _numbered(lines: list[str]) -> Iterator[tuple[int, str]]:
+    for index, line in enumerate(lines):
+        if line.strip():
+            yield index + 1, line
+
+
+def _parse_line(number: int, line: str, base_dir: Path, defaults: Defaults) -> BatchItem:
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
+    try:
+        if {"url", "method", "body"} & raw.keys():
+            return _openai_item(number, OpenAILine.model_validate(raw), defaults)
+        return _plain_item(number, PlainLine.model_validate(raw), base_dir, defaults)
+    except ValidationError as exc:
+        raise ValueError(_validation_text(exc)) from None
+
+
+def _openai_item(number: int, line: OpenAILine, defaults: Defaults) -> BatchItem:
+    body = line.body
+    texts = [message.text() for message in body.messages]
+    if body.messages[-1].role != "user":
+        raise ValueError("the last message must be the user's (it is the question)")
+    document, prompt = ("\n\n".join(texts[:-1]), texts[-1]) if len(texts) > 1 else (texts[0], "")
+    spec = _spec(
+        defaults,
+        kind=JobKind.GENERATE,
+        document=document,
+        document_name=line.custom_id,
+        prompt=prompt,
+        model=body.model,
+        max_tokens=first_given(body.max_completion_tokens, body.max_tokens),
+        temperature=body.temperature,
+        custom_id=line.custom_id,
+    )
+    return BatchItem(number, line.custom_id, spec)
+
+
+def _plain_item(number: int, line: PlainLine, base_dir: Path, defaults: Defaults) -> BatchItem:
+    if line.document_path is not None:
+        document, name = _read_document(base_dir / line.document_path, defaults.max_document_bytes)
+    else:
+        document, name = line.document or "", line.custom_id
+    spec = _spec(
+        defaults,
+        kind=JobKind(line.kind),
+        document=document,
+        document_name=name,
+        prompt=line.prompt,
+        model=line.model,
+        max_tokens=line.max_tokens,
+        temperature=line.temperature,
+        custom_id=line.custom_id,
+    )
+    return BatchItem(number, line.custom_id, spec)
+
+
+def _spec(
+    defaults: Defaults,
+    *,
+    document: str,
+    model: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    **fields: Any,
+) -> JobSpec:
+    """A JobSpec with the batch's defaults; its own validation (empty document, ranges) applies."""
+    if len(document.encode("utf-8")) > defaults.max_document_bytes:
+        raise ValueError(
+            f"document over the limit of {defaults.max_document_bytes} bytes "
+            "(RINGQ_MAX_DOCUMENT_BYTES)"
+        )
+    try:
+        return JobSpec(
+            document=document,
+            model=defaults.model or model or defaults.default_model,
+            max_tokens=max_tokens if max_tokens is not None else defaults.max_tokens,
+            temperature=temperature if temperature is not None else 0.0,
+            **fields,
+        )
+    except ValidationError as exc:
+        raise ValueError(_validation_text(exc)) from None
+
+
+def first_given(*values: int | None) -> int | None:
+    return next((value for value in values if value is not None), None)
+
+
+def _read_document(path: Path, max_bytes: int) -> tuple[str, str]:
+    try:
+        size_bytes = path.stat().st_size
+        if size_bytes > max_bytes:
+            raise ValueError(
+                f"document_path {path}: {size_bytes} bytes is over the limit of {max_bytes} "
+                "(RINGQ_MAX_DOCUMENT_BYTES)"
+            )
+        return path.read_bytes().decode("utf-8"), path.name
+    except OSError as exc:
+        raise ValueError(f"document_path {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"document_path {path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _model_checker() -> Callable[[str], None]:
+    """resolve_model once per distinct name (a GGUF read takes seconds), remembering failures
+    so every line naming a bad model reports it."""
+    outcomes: dict[str, str | None] = {}
+
+    def check(model: str) -> None:
+        if model not in outcomes:
+            try:
+                resolve_model(model)
+                outcomes[model] = None
+            except RingqError as exc:
+                outcomes[model] = str(exc)
+        if outcomes[model] is not None:
+            raise ValueError(outcomes[model])
+
+    return check
+
+
+def _validation_text(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"])
+        parts.append(f"{where}: {error['msg']}" if where else error["msg"])
+    return "; ".join(parts)
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
