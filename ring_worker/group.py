@@ -7,8 +7,6 @@ import socket
 from pathlib import Path
 from typing import Any, Literal
 
-import mlx.core as mx
-
 Backend = Literal["ring", "nccl"]
 
 
@@ -17,6 +15,7 @@ def join_group(
 ) -> Any:
     """Join the group of `addresses` ("host:port", one per rank) as `rank`; None when alone.
     NCCL bootstraps from rank 0's address."""
+    import mlx.core as mx  # here: `ringq run` and bench import this module and never init MLX
     if len(addresses) == 1:
         return None
     os.environ["MLX_RANK"] = str(rank)
@@ -41,6 +40,8 @@ def join_group(
 def group_backend(strategy: str, exchange: str) -> Backend:
     """NCCL where every collective the strategy needs is one NCCL has (a CUDA ring exchanging K/V
     by all-gather); MLX's ring backend elsewhere (rotation and pipelines need send/recv)."""
+    import mlx.core as mx
+
     cuda = mx.cuda.is_available()
     return "nccl" if cuda and strategy == "ring" and exchange == "allgather" else "ring"
 
