@@ -74,6 +74,10 @@ class PipelineEngine(Engine):
             posted = [] if outgoing is None else [self._send(outgoing)]
             incoming = self._recv(len(chunks[index])) if working and rank > 0 else None
             mx.async_eval(*posted, *([] if incoming is None else [incoming]))
+            if incoming is not None:
+                # Materialise before computing on it: on CUDA a GPU graph consuming an in-flight
+                # receive of the CPU stream hung (32K prompt, 8K chunks, 2xH200).
+                mx.eval(incoming)
             outgoing, last_hidden = None, None
             if working:
                 x = incoming if incoming is not None else mx.array([chunks[index]])
@@ -88,6 +92,7 @@ class PipelineEngine(Engine):
 
     def _decode_step(self, token: int, cache: list[Any]) -> mx.array | None:
         x = mx.array([[token]]) if self.rank == 0 else self._recv(1)
+        mx.eval(x)
         hidden = self._stage(x, cache)
         if self.rank < self.last_rank:
             mx.eval(hidden)
