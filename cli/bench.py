@@ -34,7 +34,7 @@ from cli.bench_report import (
     summarize_all,
     tile_tokens,
 )
-from cli.common import echo_json
+from cli.common import echo_json, interrupt_on_sigterm
 from cli.options import chunk_tokens_option
 from jobs.errors import InvalidJobError, RingqError
 from jobs.model_catalog import ChatTokenizer, load_tokenizer, read_model_shape, resolve_model
@@ -158,6 +158,7 @@ def bench(
     times on local rank processes. A cell that fails is reported with its reason; the exit code
     is 1 only when every cell failed.
     """
+    interrupt_on_sigterm()
     settings = get_settings()
     config = {
         "model": model or settings.default_model,

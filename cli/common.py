@@ -2,6 +2,7 @@
 
 import glob
 import json
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,3 +93,14 @@ def read_document(path: str, max_bytes: int) -> tuple[str, str]:
 
 def echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=None, sort_keys=False))
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM (a service manager, `kill`) stops `up`, `demo`, `run` and `bench` as cleanly as
+    Ctrl-C: their `finally` blocks stop the processes they started (ranks have their own
+    sessions, so nothing else would)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)

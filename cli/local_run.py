@@ -5,7 +5,7 @@ import threading
 import click
 from rich.console import Console
 
-from cli.common import echo_json
+from cli.common import echo_json, interrupt_on_sigterm
 from cli.options import build_spec, chunk_tokens_option, job_options
 from cli.render import live_progress, print_result
 from jobs.dispatcher import tokenize_and_check
@@ -65,6 +65,7 @@ def run(
     decode_kv,
 ):
     """Run a job on this machine with local rank processes (no Redis): quick use and benchmarks."""
+    interrupt_on_sigterm()
     settings = get_settings()
     size = 1 if sharding == "single" else ring_size
     spec = build_spec(
@@ -81,7 +82,7 @@ def run(
     job_id = new_job_id()
     console = Console(stderr=True)
     outcome = run_with_progress(
-        lambda on_progress: run_local(
+        lambda on_progress, stop: run_local(
             job_id,
             spec,
             tokens,
@@ -93,6 +94,7 @@ def run(
             exchange=exchange,
             decode_kv=decode_kv,
             on_progress=on_progress,
+            stop=stop,
         ),
         Progress(phase=JobState.LOADING, total=len(tokens)),
         console if not as_json and console.is_terminal else None,
@@ -114,19 +116,30 @@ def run(
 
 
 def run_with_progress(work, first: Progress, console: Console | None):
-    """Run work(on_progress) in a thread while the main thread draws its progress (if a console)."""
+    """Run work(on_progress, stop) in a thread while the main thread draws its progress (if a
+    console). Ctrl-C / SIGTERM set `stop`, and the work stops its ranks before this re-raises."""
     latest = [first]
     outcome: list = []
+    stop, done = threading.Event(), threading.Event()
 
     def target() -> None:
         try:
-            outcome.append(work(lambda p: latest.__setitem__(0, p)))
+            outcome.append(work(lambda p: latest.__setitem__(0, p), stop))
         except LocalRunError as exc:
             outcome.append(exc)
+        finally:
+            done.set()
 
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    if console is not None:
-        live_progress(lambda: (latest[0], not thread.is_alive()), console)
-    thread.join()
+    threading.Thread(target=target, daemon=True).start()
+    try:
+        if console is not None:
+            live_progress(lambda: (latest[0], done.is_set()), console)
+        while not done.wait(0.2):
+            pass
+    except KeyboardInterrupt:
+        # Not Thread.join: after a join interrupted by a signal, the next join can return at once
+        # (the thread looks finished), and the ranks would outlive this process.
+        stop.set()
+        done.wait(timeout=30)
+        raise
     return outcome[0]

@@ -16,7 +16,7 @@ from rich.console import Console
 from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 
-from cli.common import redis_connection, redis_url_for
+from cli.common import interrupt_on_sigterm, redis_connection, redis_url_for
 from cli.render import print_result, result_json, watch
 from jobs.errors import RingqError
 from jobs.redis_server import RedisHandle, connect, ensure_redis
@@ -231,15 +231,6 @@ def dispatcher() -> None:
         name=f"ringq-dispatcher-{socket.gethostname()}-{os.getpid()}",
     )
     worker.work(logging_level="WARNING")
-
-
-def interrupt_on_sigterm() -> None:
-    """SIGTERM (a service manager, `kill`) stops `up` / `demo` as cleanly as Ctrl-C does."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
 
 
 def setup_service() -> None:

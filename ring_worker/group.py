@@ -16,6 +16,7 @@ def join_group(
     """Join the group of `addresses` ("host:port", one per rank) as `rank`; None when alone.
     NCCL bootstraps from rank 0's address."""
     import mlx.core as mx  # here: `ringq run` and bench import this module and never init MLX
+
     if len(addresses) == 1:
         return None
     os.environ["MLX_RANK"] = str(rank)

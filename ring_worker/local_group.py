@@ -3,6 +3,7 @@
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,7 @@ def run_local(
     blas: str = "auto",
     on_progress: Callable[[Progress], None] | None = None,
     timeout_s: float | None = None,
+    stop: threading.Event | None = None,
 ) -> JobResult:
     """Spawn `ring_size` ranks on loopback, feed them the job through files, follow their
     events. Raises LocalRunError with the ranks' own reason when the job fails."""
@@ -77,12 +79,12 @@ def run_local(
         for rank in range(ring_size)
     ]
     try:
-        return follow(procs, events, scratch, on_progress, timeout_s)
+        return follow(procs, events, scratch, on_progress, timeout_s, stop)
     finally:
         terminate_all(procs)
 
 
-def follow(procs, events: Path, scratch: Path, on_progress, timeout_s) -> JobResult:
+def follow(procs, events: Path, scratch: Path, on_progress, timeout_s, stop) -> JobResult:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     offset = 0
     while True:
@@ -103,6 +105,8 @@ def follow(procs, events: Path, scratch: Path, on_progress, timeout_s) -> JobRes
             time.sleep(POLL_INTERVAL_S)  # a failing rank writes its reason just before it exits
             if events.stat().st_size == offset:
                 raise LocalRunError(f"ranks exited with codes {codes}; logs in {scratch}")
+        if stop is not None and stop.is_set():
+            raise LocalRunError("interrupted")
         if deadline and time.monotonic() > deadline:
             raise LocalRunError(f"timed out after {timeout_s} s; logs in {scratch}")
         time.sleep(POLL_INTERVAL_S)
