@@ -1,12 +1,50 @@
-"""Per-node memory a job needs, from the model's shape alone (pure; a later pass calibrates the
-activation and overhead terms against measured mx.get_peak_memory())."""
+"""Per-rank memory a job needs, from the model's shape alone (pure).
+
+For each layout (single; ring of N with replicated or sharded KV; pipeline of N), the busiest
+rank's MLX peak is the larger of two phases, times a small margin:
+- loading: its weights, plus (CPU nodes, which dequantize) the stored tensors and scales being
+  converted, plus a dequantization transient for the embedding;
+- prefill: its weights + its KV + the live tensors of one layer of one chunk.
+Process overhead (interpreter, MLX runtime) comes on top. The constants were fitted against
+`mx.get_peak_memory()` per rank over a grid of models, lengths and layouts on CPU
+(bench/calibrate_admission.py; the table is in bench/results/admission-calibration.md).
+On GPUs (fused attention, weights kept as stored) the same terms apply without the CPU ones;
+they are not calibrated there yet.
+"""
 
 from dataclasses import dataclass
+from typing import Literal
 
 from admission.model_shape import ModelShape
 
-RUNTIME_OVERHEAD_BYTES = 256 * 1024**2  # interpreter, MLX runtime, tokenizer
-SCORE_TILE_TOKENS = 4096  # ring_worker attends past keys in tiles of this size
+PROCESS_OVERHEAD_BYTES = 256 * 1024**2  # interpreter, MLX runtime, tokenizer: outside MLX's count
+MARGIN = 1.05  # on the MLX peak: measured peaks vary by a few MiB between runs
+PAST_TILE_TOKENS = 4096  # ring_worker/ring_attention.py attends earlier chunks in tiles this long
+# Fitted on CPU (float32, OpenBLAS): live score-sized tensors per attention call.
+SDPA_SCORE_COPIES = 1.3  # mlx-lm's attention (single, pipeline): MLX's CPU SDPA materialises scores
+RING_SCORE_COPIES = 2.4  # ring partial attention: scores and their exp
+SHARDED_SCORE_COPIES = 2.2  # sharded ring: partials over every rank's past, merged per layer
+STORED_COPIES = 1.5  # dequantizing: packed weights plus float32 scales and biases
+EMBEDDING_TRANSIENT = 0.6  # of the dense embedding, while it is dequantized
+
+Strategy = Literal["single", "ring", "pipeline"]
+KVLayout = Literal["replicated", "sharded"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a job's model and KV are spread over its group's ranks."""
+
+    strategy: Strategy
+    size: int = 1
+    kv_layout: KVLayout = "replicated"  # ring only: sharded keeps 1/N of the KV on each rank
+
+    @property
+    def label(self) -> str:
+        if self.strategy == "single":
+            return "single"
+        suffix = f" ({self.kv_layout} KV)" if self.strategy == "ring" else ""
+        return f"{self.strategy}-{self.size}{suffix}"
 
 
 @dataclass(frozen=True)
@@ -14,46 +52,110 @@ class MemoryEstimate:
     weights_bytes: int
     kv_bytes: int
     activation_bytes: int
-    overhead_bytes: int
+    load_extra_bytes: int  # only while loading
+    overhead_bytes: int = PROCESS_OVERHEAD_BYTES
+
+    @property
+    def mlx_peak_bytes(self) -> int:
+        """What mx.get_peak_memory() should report on this rank (calibrated)."""
+        loading = self.weights_bytes + self.load_extra_bytes
+        prefill = self.weights_bytes + self.kv_bytes + self.activation_bytes
+        return int(max(loading, prefill) * MARGIN)
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.activation_bytes + self.overhead_bytes
+        return self.mlx_peak_bytes + self.overhead_bytes
 
 
 def estimate_node_bytes(
     shape: ModelShape,
     prompt_tokens: int,
     max_new_tokens: int,
-    ring_size: int,
+    layout: Layout,
     chunk_tokens: int,
     *,
     dense_weights: bool,
-    pipeline: bool = False,
 ) -> MemoryEstimate:
-    """Bytes one rank of a group of `ring_size` (1 = single) needs. Ring: KV replicated on every
-    rank, each rank runs chunk_tokens / ring_size tokens of every chunk. Pipeline: each rank holds
-    its share of the layers (weights and KV) and runs whole chunks."""
-    weights = shape.dense_weight_bytes if dense_weights else shape.weight_bytes
-    kv = shape.kv_bytes_per_token() * (prompt_tokens + max_new_tokens)
-    if pipeline and ring_size > 1:
-        share = -(-shape.layers // ring_size)  # the first ranks take the extra layers
-        weights, kv = weights * share // shape.layers, kv * share // shape.layers
+    """Bytes the busiest rank of `layout` needs. `dense_weights`: a CPU node (it dequantizes to
+    float32 and its attention materialises scores)."""
+    context = prompt_tokens + max_new_tokens
+    per_rank = [
+        _rank_estimate(shape, context, prompt_tokens, layout, chunk_tokens, rank, dense_weights)
+        for rank in range(layout.size if layout.strategy == "pipeline" else 1)
+    ]
+    return max(per_rank, key=lambda e: e.total_bytes)
+
+
+def _rank_estimate(
+    shape: ModelShape,
+    context: int,
+    prompt_tokens: int,
+    layout: Layout,
+    chunk_tokens: int,
+    rank: int,
+    cpu: bool,
+) -> MemoryEstimate:
+    layers, params, embedding = _rank_parameters(shape, layout, rank)
+    stored_per_param = shape.weight_bytes / shape.parameters
+    resident = shape.compute_dtype_bytes if cpu else stored_per_param
+    load_extra = 0
+    if cpu and shape.weight_bytes < shape.dense_weight_bytes:
+        load_extra = int(STORED_COPIES * params * stored_per_param)
+        load_extra += int(EMBEDDING_TRANSIENT * embedding * shape.compute_dtype_bytes)
+    kv_per_token_layer = shape.kv_bytes_per_token() // shape.layers
+    kv_tokens = context
+    if layout.strategy == "ring" and layout.kv_layout == "sharded":
+        kv_tokens = -(-context // layout.size) + -(-chunk_tokens // layout.size)
+    kv = kv_per_token_layer * layers * _cache_tokens(kv_tokens)
     return MemoryEstimate(
-        weights_bytes=weights,
+        weights_bytes=int(params * resident),
         kv_bytes=kv,
-        activation_bytes=activation_bytes(shape, chunk_tokens, 1 if pipeline else ring_size),
-        overhead_bytes=RUNTIME_OVERHEAD_BYTES,
+        activation_bytes=activation_bytes(shape, layout, prompt_tokens, chunk_tokens, cpu),
+        load_extra_bytes=load_extra,
     )
 
 
-def activation_bytes(shape: ModelShape, chunk_tokens: int, ring_size: int) -> int:
-    """Peak live tensors while one layer of one chunk runs (float32 scores, MLP, hidden)."""
-    local = -(-chunk_tokens // ring_size)
+def _rank_parameters(shape: ModelShape, layout: Layout, rank: int) -> tuple[int, int, int]:
+    """(layers, parameters, embedding parameters) held by `rank`: all of them except in a
+    pipeline, whose ranks hold contiguous layers; rank 0 also embeds, the last one also holds
+    the LM head (the embedding again when they are tied)."""
+    embedding = shape.embedding_parameters
+    head = 0 if shape.tied_embeddings else embedding
+    if layout.strategy != "pipeline" or layout.size == 1:
+        return shape.layers, shape.parameters, embedding
+    base, extra = divmod(shape.layers, layout.size)
+    layers = base + (1 if rank < extra else 0)
+    per_layer = (shape.parameters - embedding - head - shape.hidden_size) / shape.layers
+    first, last = rank == 0, rank == layout.size - 1
+    embedding_here = embedding if first or (last and shape.tied_embeddings) else 0
+    head_here = head if last else 0
+    params = int(per_layer * layers) + embedding_here + head_here
+    return layers, params, embedding_here
+
+
+def _cache_tokens(tokens: int, step: int = 256) -> int:
+    """mlx-lm's KVCache grows in steps of 256 tokens."""
+    return -(-tokens // step) * step
+
+
+def activation_bytes(
+    shape: ModelShape, layout: Layout, prompt_tokens: int, chunk_tokens: int, cpu: bool
+) -> int:
+    """Live tensors while one layer of one chunk runs: hidden states, MLP, attention scores
+    (CPU only; GPU attention is fused) and the last position's logits."""
+    local = chunk_tokens
+    keys, copies = prompt_tokens, SDPA_SCORE_COPIES
+    if layout.strategy == "ring":
+        local = -(-chunk_tokens // layout.size)
+        past = max(prompt_tokens - chunk_tokens, 0)
+        if layout.kv_layout == "sharded":  # every rank's share of the past, then this chunk's
+            keys, copies = -(-past // layout.size) + local, SHARDED_SCORE_COPIES
+        else:  # a tile of earlier chunks or a block pair of this one, whichever is larger
+            keys, copies = max(min(past, PAST_TILE_TOKENS), local), RING_SCORE_COPIES
+    local = min(local, prompt_tokens)
     width = shape.compute_dtype_bytes
     hidden = 4 * local * shape.hidden_size * width
     mlp = 3 * local * shape.intermediate_size * width
-    keys_seen = min(chunk_tokens + SCORE_TILE_TOKENS, 2 * SCORE_TILE_TOKENS)
-    scores = 2 * shape.q_heads * local * keys_seen * 4
-    logits = shape.vocab_size * 4  # the last position only
+    scores = int(copies * shape.q_heads * local * keys * 4) if cpu else 0
+    logits = shape.vocab_size * 4
     return hidden + mlp + scores + logits

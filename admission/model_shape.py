@@ -17,6 +17,15 @@ class ModelShape:
     weight_bytes: int  # as stored on disk (quantized where the file is)
     dense_weight_bytes: int  # after dequantization to the compute dtype
     compute_dtype_bytes: int  # 2 for float16/bfloat16, 4 for float32
+    tied_embeddings: bool = True  # the LM head reuses the token embedding
+
+    @property
+    def parameters(self) -> int:
+        return self.dense_weight_bytes // self.compute_dtype_bytes
+
+    @property
+    def embedding_parameters(self) -> int:
+        return self.vocab_size * self.hidden_size
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.compute_dtype_bytes

@@ -1,9 +1,16 @@
-"""Choosing where a job runs: strategy, ring size and nodes (pure; no I/O)."""
+"""Choosing where a job runs: layout (strategy, ranks, KV layout) and nodes (pure; no I/O).
+
+Candidates are tried in order and the first that fits wins. Sizes: prompts shorter than
+`ring_min_tokens` take the fewest nodes that fit; longer ones the most live nodes (fastest
+prefill), fewer if memory says so. At each size: a ring with replicated KV (every rank holds all
+weights), then a ring with sharded KV (when the replicated KV does not fit), then a pipeline (when
+the weights themselves do not fit on one node). `ring_size`, `sharding` and `kv_layout` narrow the
+candidates to what the user asked for.
+"""
 
 from dataclasses import dataclass
-from typing import Literal
 
-from admission.estimate import MemoryEstimate, estimate_node_bytes
+from admission.estimate import KVLayout, Layout, MemoryEstimate, estimate_node_bytes
 from admission.model_shape import ModelShape
 
 
@@ -21,14 +28,19 @@ class PlacementRequest:
     chunk_tokens: int
     ring_size: int | None  # None: automatic
     sharding: str  # "auto" | "ring" | "pipeline" | "single"
-    ring_min_tokens: int  # automatic choice: shorter prompts run on one node
+    ring_min_tokens: int  # automatic choice: shorter prompts run on the fewest nodes
+    kv_layout: str = "auto"  # "auto" | "replicated" | "sharded" (ring groups)
 
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    strategy: Literal["single", "ring", "pipeline"]
+    layout: Layout
     nodes: tuple[str, ...]
     bytes_per_node: int
+
+    @property
+    def strategy(self) -> str:
+        return self.layout.strategy
 
 
 class CannotPlace(Exception):
@@ -40,30 +52,45 @@ def plan_placement(
 ) -> PlacementPlan:
     if not nodes:
         raise CannotPlace("no live nodes: start one with `ringq node` (or `ringq up`)")
-    for size in candidate_sizes(request, len(nodes)):
-        if strategy_for(request, size) == "pipeline" and size > shape.layers:
-            raise CannotPlace(
-                f"a pipeline of {size} needs {size} layers; the model has {shape.layers}"
-            )
+    layouts = candidate_layouts(request, len(nodes), shape.layers)
+    for layout in layouts:
         fitting = []
         for node in sorted(nodes, key=lambda n: -n.available_bytes):
-            need = node_estimate(shape, request, size, node).total_bytes
+            need = node_estimate(shape, request, layout, node).total_bytes
             if need <= node.available_bytes:
                 fitting.append((node.name, need))
-        if len(fitting) >= size:
-            chosen = fitting[:size]
+        if len(fitting) >= layout.size:
+            chosen = fitting[: layout.size]
             return PlacementPlan(
-                strategy=strategy_for(request, size),
+                layout=layout,
                 nodes=tuple(name for name, _ in chosen),
                 bytes_per_node=max(need for _, need in chosen),
             )
-    raise CannotPlace(describe_shortfall(shape, request, nodes))
+    raise CannotPlace(describe_shortfall(shape, request, nodes, layouts))
 
 
-def strategy_for(request: PlacementRequest, size: int) -> Literal["single", "ring", "pipeline"]:
+def candidate_layouts(request: PlacementRequest, live: int, layers: int) -> list[Layout]:
+    layouts = []
+    for size in candidate_sizes(request, live):
+        layouts.extend(layouts_of_size(request, size, layers))
+    return layouts
+
+
+def layouts_of_size(request: PlacementRequest, size: int, layers: int) -> list[Layout]:
     if size == 1:
-        return "single"
-    return "pipeline" if request.sharding == "pipeline" else "ring"
+        return [Layout("single")]
+    kv_layouts: list[KVLayout] = ["replicated", "sharded"]
+    if request.kv_layout in kv_layouts:
+        kv_layouts = [request.kv_layout]  # type: ignore[list-item]
+    ring = [Layout("ring", size, kv) for kv in kv_layouts]
+    pipeline = [Layout("pipeline", size)] if size <= layers else []
+    if request.sharding == "ring":
+        return ring
+    if request.sharding == "pipeline":
+        if not pipeline:
+            raise CannotPlace(f"a pipeline of {size} needs {size} layers; the model has {layers}")
+        return pipeline
+    return ring + pipeline
 
 
 def candidate_sizes(request: PlacementRequest, live: int) -> list[int]:
@@ -72,7 +99,7 @@ def candidate_sizes(request: PlacementRequest, live: int) -> list[int]:
     if request.ring_size is not None:
         if request.ring_size > live:
             raise CannotPlace(
-                f"ring of {request.ring_size} needs {request.ring_size} nodes; {live} live"
+                f"a group of {request.ring_size} needs {request.ring_size} nodes; {live} live"
             )
         return [request.ring_size]
     if request.sharding in ("ring", "pipeline"):
@@ -86,32 +113,40 @@ def candidate_sizes(request: PlacementRequest, live: int) -> list[int]:
 
 
 def node_estimate(
-    shape: ModelShape, request: PlacementRequest, size: int, node: NodeCapacity
+    shape: ModelShape, request: PlacementRequest, layout: Layout, node: NodeCapacity
 ) -> MemoryEstimate:
     return estimate_node_bytes(
         shape,
         request.prompt_tokens,
         request.max_new_tokens,
-        size,
+        layout,
         request.chunk_tokens,
         dense_weights=node.dense_weights,
-        pipeline=strategy_for(request, size) == "pipeline",
     )
 
 
 def describe_shortfall(
-    shape: ModelShape, request: PlacementRequest, nodes: list[NodeCapacity]
+    shape: ModelShape,
+    request: PlacementRequest,
+    nodes: list[NodeCapacity],
+    layouts: list[Layout],
 ) -> str:
+    """Needed vs available per node for the most frugal layout tried."""
+    layout = min(
+        layouts or [Layout("single")],
+        key=lambda candidate: node_estimate(shape, request, candidate, nodes[0]).total_bytes,
+    )
     parts = []
     for node in nodes:
-        need = node_estimate(shape, request, 1, node)
+        need = node_estimate(shape, request, layout, node)
         parts.append(
             f"{node.name}: needs {gib(need.total_bytes)} (weights {gib(need.weights_bytes)}, "
             f"KV {gib(need.kv_bytes)}), has {gib(node.available_bytes)}"
         )
+    tried = ", ".join(dict.fromkeys(candidate.label for candidate in layouts))
     return (
-        f"job of {request.prompt_tokens} prompt tokens does not fit on the live nodes: "
-        + "; ".join(parts)
+        f"job of {request.prompt_tokens} prompt tokens does not fit on the live nodes "
+        f"(tried {tried}); as {layout.label}: " + "; ".join(parts)
     )
 
 

@@ -13,10 +13,11 @@ from cli.local_run import run
 from cli.options import build_spec, job_options
 from cli.render import describe, nodes_table, print_result, result_json, status_json, watch
 from cli.services import demo, dispatcher, node, up
+from cli.top import top
 from jobs.cancel import cancel_job
 from jobs.errors import RingqError
 from jobs.lifecycle import JobState
-from jobs.schemas import JobKind
+from jobs.schemas import JobKind, Sharding
 from jobs.store import JobStore
 from jobs.submit import enqueue_jobs, new_job_id, submit_job
 
@@ -57,9 +58,19 @@ def cli() -> None:
 @job_options
 @click.option("--ring-size", default="auto", show_default=True, help="Ranks (nodes) or 'auto'.")
 @click.option(
+    "--sharding",
+    type=click.Choice([s.value for s in Sharding]),
+    default="auto",
+    show_default=True,
+    help="auto: the dispatcher chooses; ring: sequence parallel; pipeline: layers split over "
+    "nodes; single: one node.",
+)
+@click.option(
     "--id", "job_id", default=None, help="Job id to use, one FILE only (default: random)."
 )
-def submit(kind, files, model, prompt, max_tokens, temperature, as_json, ring_size, job_id):
+def submit(
+    kind, files, model, prompt, max_tokens, temperature, as_json, ring_size, sharding, job_id
+):
     """Enqueue a prefill or generate job per FILE; prints the job ids, one a line.
 
     FILE is a file, '-' (stdin), a directory (its files, sorted, not hidden ones) or a quoted
@@ -70,7 +81,9 @@ def submit(kind, files, model, prompt, max_tokens, temperature, as_json, ring_si
     if job_id and len(paths) > 1:
         raise click.UsageError(f"--id names one job, but {len(paths)} files were given")
     options = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature)
-    specs = [build_spec(kind, path, ring_size=ring_size, **options) for path in paths]
+    specs = [
+        build_spec(kind, path, ring_size=ring_size, sharding=sharding, **options) for path in paths
+    ]
     conn = redis_connection()
     if len(specs) == 1:
         records = [submit_job(conn, specs[0], job_id)]
@@ -138,7 +151,7 @@ def nodes(as_json):
         console.print(nodes_table(live))
 
 
-for _command in (run, bench, up, demo, node, dispatcher, batch):
+for _command in (run, bench, up, demo, node, dispatcher, batch, top):
     cli.add_command(_command)
 
 

@@ -5,10 +5,11 @@ from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from jobs.schemas import JobRecord, NodeInfo
+from jobs.overview import eta_s
+from jobs.schemas import JobRecord, NodeInfo, Placement
 from jobs.schemas import Progress as JobProgress
 from jobs.store import JobStore
 
@@ -73,16 +74,26 @@ def print_result(console: Console, payload: dict[str, Any]) -> None:
 
 
 def describe(record: JobRecord) -> str:
-    placement = record.placement
-    where = (
-        f"{placement.strategy}-{placement.ring_size} on {','.join(placement.nodes)}"
-        if placement
-        else "not placed"
-    )
+    where = placement_text(record.placement)
     line = f"{record.id}  {record.kind.value}  {record.state.value}  {where}"
     if record.error:
         line += f"\n  error: {record.error}"
     return line
+
+
+def placement_text(placement: Placement | None) -> str:
+    if placement is None:
+        return "not placed"
+    return f"{placement.strategy}-{placement.ring_size} on {','.join(placement.nodes)}"
+
+
+def format_eta(seconds: float | None) -> str:
+    """`1:05` / `1:02:05` left, or `-` when the phase has no speed to go by."""
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def watch(store: JobStore, job_id: str, console: Console) -> JobRecord:
@@ -98,25 +109,29 @@ def watch(store: JobStore, job_id: str, console: Console) -> JobRecord:
 
 
 def live_progress(poll: Callable[[], tuple[JobProgress, bool]], console: Console) -> None:
-    """A bar (phase, tokens done/total, tok/s, ETA) refreshed until poll() says done."""
+    """A bar (phase, tokens done/total, tok/s, ETA) refreshed until poll() says done. The ETA is
+    the job's own remaining tokens / reported tok/s, not rich's guess from bar updates, which
+    would count the time spent loading as slow progress."""
     columns = (
         TextColumn("{task.description:<9}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total} tok"),
         TextColumn("{task.fields[rate]}"),
-        TimeRemainingColumn(),
+        TextColumn("{task.fields[eta]}"),
     )
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("queued", total=1, rate="")
+        task = bar.add_task("queued", total=1, rate="", eta="")
         while True:
             progress, done = poll()
             rate = f"{progress.prompt_tps:.0f} tok/s" if progress.prompt_tps else ""
+            left = eta_s(progress)
             bar.update(
                 task,
                 description=progress.phase.value,
                 completed=progress.processed,
                 total=max(progress.total, 1),
                 rate=rate,
+                eta=f"ETA {format_eta(left)}" if left is not None and not done else "",
             )
             if done:
                 return

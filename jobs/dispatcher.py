@@ -56,6 +56,7 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         ring_size=None if spec.ring_size == "auto" else spec.ring_size,
         sharding=spec.sharding.value,
         ring_min_tokens=settings.ring_min_tokens,
+        kv_layout=settings.decode_kv,
     )
     try:
         plan = plan_placement(shape, request, [capacity(n) for n in nodes])
@@ -69,13 +70,14 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         addresses=[allocate_address(conn, by_name[name], settings) for name in plan.nodes],
         nodes=list(plan.nodes),
         chunk_tokens=settings.prefill_chunk_tokens,
-        strategy=plan.strategy,
+        strategy=plan.layout.strategy,
         exchange=choose_exchange(settings, [by_name[name] for name in plan.nodes]),
-        decode_kv=settings.decode_kv,
+        decode_kv=plan.layout.kv_layout,
     )
     store.set_tokens(job_id, tokens)
     placement = Placement(
-        strategy=plan.strategy,
+        strategy=plan.layout.strategy,
+        kv_layout=plan.layout.kv_layout,
         ring_size=len(plan.nodes),
         nodes=list(plan.nodes),
         group_id=group.group_id,
@@ -91,7 +93,7 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
             job_timeout=60,
             result_ttl=600,
         )
-    log.info("job %s admitted: %s on %s", job_id, placement.strategy, placement.nodes)
+    log.info("job %s admitted: %s on %s", job_id, plan.layout.label, placement.nodes)
     return "admitted"
 
 

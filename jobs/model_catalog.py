@@ -250,6 +250,7 @@ def read_model_shape(source: ModelSource, *, dtype: str | None = None) -> ModelS
         weight_bytes=weight_bytes,
         dense_weight_bytes=parameters * DTYPE_BYTES[dtype],
         compute_dtype_bytes=DTYPE_BYTES[dtype],
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)),  # mlx-lm's default
     )
 
 

@@ -75,6 +75,7 @@ class Progress(_Message):
 
 class Placement(_Message):
     strategy: Literal["single", "ring", "pipeline"]
+    kv_layout: Literal["replicated", "sharded"] = "replicated"
     ring_size: int
     nodes: list[str]
     group_id: str

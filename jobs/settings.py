@@ -27,10 +27,11 @@ class Settings(BaseSettings):
         description="How ring ranks share K/V: auto = allgather on CUDA nodes (NCCL has no "
         "send/recv), rotate elsewhere.",
     )
-    decode_kv: Literal["replicated", "sharded"] = Field(
-        default="replicated",
+    decode_kv: Literal["auto", "replicated", "sharded"] = Field(
+        default="auto",
         description="KV layout of ring groups: sharded keeps 1/N of the KV per rank (decode "
-        "merges per-rank partial attention); replicated keeps all of it on every rank.",
+        "merges per-rank partial attention); replicated keeps all of it on every rank; auto: "
+        "replicated where it fits, sharded where only that fits.",
     )
     ring_min_tokens: int = Field(
         default=1024, gt=0, description="Automatic placement runs shorter prompts on one node."

@@ -1,6 +1,6 @@
 import pytest
 
-from admission.estimate import estimate_node_bytes
+from admission.estimate import Layout, estimate_node_bytes
 from admission.model_shape import ModelShape
 from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
 
@@ -21,7 +21,7 @@ SHAPE = ModelShape(
 )
 
 
-def request(tokens=2000, ring_size=None, sharding="auto"):
+def request(tokens=2000, ring_size=None, sharding="auto", kv_layout="auto"):
     return PlacementRequest(
         prompt_tokens=tokens,
         max_new_tokens=100,
@@ -29,6 +29,7 @@ def request(tokens=2000, ring_size=None, sharding="auto"):
         ring_size=ring_size,
         sharding=sharding,
         ring_min_tokens=1024,
+        kv_layout=kv_layout,
     )
 
 
@@ -36,14 +37,18 @@ def nodes(*gib):
     return [NodeCapacity(f"n{i}", int(g * GIB), dense_weights=True) for i, g in enumerate(gib)]
 
 
+def gpus(*gib):
+    return [NodeCapacity(f"g{i}", int(g * GIB), dense_weights=False) for i, g in enumerate(gib)]
+
+
 def test_kv_bytes_follow_the_formula():
-    est = estimate_node_bytes(SHAPE, 1000, 24, 2, 512, dense_weights=True)
+    est = estimate_node_bytes(SHAPE, 1000, 24, Layout("ring", 2), 512, dense_weights=True)
     assert est.kv_bytes == 2 * 30 * 3 * 64 * 4 * 1024
     assert est.weights_bytes == SHAPE.dense_weight_bytes
 
 
 def test_quantized_nodes_count_stored_weights():
-    est = estimate_node_bytes(SHAPE, 1000, 0, 1, 512, dense_weights=False)
+    est = estimate_node_bytes(SHAPE, 1000, 0, Layout("single"), 512, dense_weights=False)
     assert est.weights_bytes == SHAPE.weight_bytes
 
 
@@ -66,9 +71,12 @@ def test_plans(req, live, strategy, count):
 
 
 def test_pipeline_ranks_hold_their_share_of_weights_and_kv():
-    ring = estimate_node_bytes(SHAPE, 1000, 24, 3, 512, dense_weights=True)
-    pipeline = estimate_node_bytes(SHAPE, 1000, 24, 3, 512, dense_weights=True, pipeline=True)
-    assert pipeline.weights_bytes == ring.weights_bytes * 10 // 30
+    ring = estimate_node_bytes(SHAPE, 1000, 24, Layout("ring", 3), 512, dense_weights=True)
+    pipeline = estimate_node_bytes(SHAPE, 1000, 24, Layout("pipeline", 3), 512, dense_weights=True)
+    # a third of the layers, plus the embedding (rank 0; the last rank too, the head is tied)
+    embedding_bytes = 4 * SHAPE.embedding_parameters
+    layer_share = (SHAPE.dense_weight_bytes - embedding_bytes) * 10 // 30
+    assert pipeline.weights_bytes == pytest.approx(layer_share + embedding_bytes, 1e-3)
     assert pipeline.kv_bytes == ring.kv_bytes * 10 // 30
     assert pipeline.activation_bytes > ring.activation_bytes  # whole chunks, not 1/N of them
 
@@ -88,6 +96,7 @@ def test_largest_nodes_first():
     [
         (request(), [], "no live nodes"),
         (request(ring_size=3), nodes(8, 8), "needs 3 nodes; 2 live"),
+        (request(kv_layout="replicated"), nodes(0.2, 0.3), r"tried ring-2 \(replicated KV\)"),
         (request(sharding="ring"), nodes(8), "at least 2 nodes"),
         (request(), nodes(0.2, 0.3), r"n0: needs .* GiB .* has 0.20 GiB"),
     ],
@@ -95,3 +104,50 @@ def test_largest_nodes_first():
 def test_cannot_place(req, live, message):
     with pytest.raises(CannotPlace, match=message):
         plan_placement(SHAPE, req, live)
+
+
+# A 8 GiB-weights model with a big KV: 2 · 32 layers · 8 heads · 128 · 2 bytes = 128 KiB/token.
+BIG = ModelShape(
+    architecture="llama",
+    layers=32,
+    hidden_size=4096,
+    intermediate_size=14336,
+    q_heads=32,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    context_length=131072,
+    weight_bytes=8 * GIB,
+    dense_weight_bytes=8 * GIB,
+    compute_dtype_bytes=2,
+)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "live", "label"),
+    [
+        (100_000, gpus(40, 40), "ring-2 (replicated KV)"),  # 8 + 12.2 GiB KV fit everywhere
+        (100_000, gpus(18, 18), "ring-2 (sharded KV)"),  # the whole KV does not, half does
+        (100_000, gpus(12, 12), "pipeline-2"),  # weights + half the KV: only split by layers
+        (100_000, gpus(6.5, 6.5, 6.5, 6.5), "pipeline-4"),  # no ring of 4 fits, 1/4 does
+        (100, gpus(40, 40), "single"),  # short prompt: the fewest nodes
+    ],
+)
+def test_layout_follows_memory(tokens, live, label):
+    req = PlacementRequest(tokens, 0, 2048, None, "auto", 1024)
+    assert plan_placement(BIG, req, live).layout.label == label
+
+
+def test_cpu_nodes_count_the_attention_scores_they_materialise():
+    """MLX's CPU attention holds q_heads x chunk x keys float32 scores; GPU attention is fused."""
+    cpu = estimate_node_bytes(BIG, 100_000, 0, Layout("single"), 2048, dense_weights=True)
+    gpu = estimate_node_bytes(BIG, 100_000, 0, Layout("single"), 2048, dense_weights=False)
+    assert cpu.activation_bytes - gpu.activation_bytes >= 32 * 2048 * 100_000 * 4
+
+
+def test_sharded_kv_is_about_one_nth():
+    replicated = estimate_node_bytes(BIG, 100_000, 0, Layout("ring", 4), 2048, dense_weights=True)
+    sharded = estimate_node_bytes(
+        BIG, 100_000, 0, Layout("ring", 4, "sharded"), 2048, dense_weights=True
+    )
+    assert replicated.kv_bytes / 4 <= sharded.kv_bytes <= replicated.kv_bytes / 4 * 1.1

@@ -1,0 +1,152 @@
+"""Admission's per-rank memory estimate against measured `mx.get_peak_memory()` per rank.
+
+Runs every (model, prompt length, layout) of the grid as a real local group (the same path as
+`ringq run`), prefill only, and prints predicted / measured for the busiest rank. The goal is a
+ratio in [1.00, 1.25] on every cell: never under (over-admission), not much over (waste).
+
+    uv run python bench/calibrate_admission.py --json-out bench/results/admission-calibration.json
+    uv run python bench/calibrate_admission.py --table bench/results/admission-calibration.json
+
+`--table` prints the table again from stored measurements with the current estimator (for fitting
+its constants without re-measuring).
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from admission.estimate import Layout, estimate_node_bytes
+from cli.bench import build_prompts
+from jobs.model_catalog import read_model_shape, resolve_model
+from jobs.schemas import JobKind, JobSpec, Sharding
+from jobs.settings import get_settings
+from ring_worker.local_group import run_local
+
+MIB = 1024**2
+LAYOUTS = [
+    Layout("single"),
+    Layout("ring", 2),
+    Layout("ring", 2, "sharded"),
+    Layout("pipeline", 2),
+    Layout("ring", 3),
+    Layout("ring", 3, "sharded"),
+    Layout("pipeline", 3),
+]
+
+
+def measure(model: str, pp: int, layout: Layout, chunk_tokens: int, scratch: Path) -> list[int]:
+    tokens = build_prompts(model, [pp], 0)[pp]
+    spec = JobSpec(
+        kind=JobKind.PREFILL,
+        document=f"calibration prompt of {pp} tokens",
+        model=model,
+        ring_size=layout.size,
+        sharding=Sharding(layout.strategy),
+    )
+    result = run_local(
+        f"calibrate-{layout.strategy}-{layout.size}",
+        spec,
+        tokens,
+        layout.size,
+        chunk_tokens,
+        scratch_root=scratch,
+        strategy=layout.strategy,
+        decode_kv=layout.kv_layout,
+        blas=get_settings().blas,
+        timeout_s=900,
+    )
+    return result.peak_memory_bytes
+
+
+def parse_layout(label: str) -> Layout:
+    if label == "single":
+        return Layout("single")
+    strategy, size = label.split()[0].split("-")
+    kv_layout = "sharded" if "sharded" in label else "replicated"
+    return Layout(strategy, int(size), kv_layout)  # type: ignore[arg-type]
+
+
+def predict(model: str, pp: int, layout: Layout, chunk_tokens: int) -> int:
+    shape = read_model_shape(resolve_model(model), dtype="float32")  # CPU ranks: float32
+    return estimate_node_bytes(
+        shape, pp, 0, layout, chunk_tokens, dense_weights=True
+    ).mlx_peak_bytes
+
+
+def print_row(model: str, pp: int, label: str, predicted: int, peaks: list[int]) -> float:
+    ratio = predicted / max(peaks)
+    measured = " / ".join(f"{p / MIB:.1f}" for p in peaks)
+    row = f"| {model} | {pp} | {label} | {predicted / MIB:.1f} | {measured} | {ratio:.2f} |"
+    print(row, flush=True)
+    return ratio
+
+
+def print_table(path: Path) -> int:
+    report = json.loads(path.read_text())
+    print(HEADER)
+    ratios = [
+        print_row(
+            cell["model"],
+            cell["pp"],
+            cell["layout"],
+            predict(
+                cell["model"], cell["pp"], parse_layout(cell["layout"]), report["chunk_tokens"]
+            ),
+            cell["measured_bytes"],
+        )
+        for cell in report["cells"]
+    ]
+    inside = sum(1.0 <= r <= 1.25 for r in ratios)
+    print(
+        f"\n{inside} of {len(ratios)} cells inside [1.00, 1.25]; "
+        f"ratios {min(ratios):.2f}-{max(ratios):.2f}"
+    )
+    return 0
+
+
+HEADER = (
+    "| model | pp | layout | predicted MiB | measured MiB per rank | predicted / measured |\n"
+    "|---|---:|---|---:|---:|---:|"
+)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--table", type=Path, help="reprint a stored calibration and stop")
+    parser.add_argument("--models", default="random:tiny-llama,smollm2")
+    parser.add_argument("--pp", default="512,1024,2048,4096")
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+    if args.table:
+        return print_table(args.table)
+    rows = []
+    scratch = Path(tempfile.mkdtemp(prefix="calibrate-"))
+    print(HEADER, flush=True)
+    for model in args.models.split(","):
+        for pp in (int(p) for p in args.pp.split(",")):
+            for layout in LAYOUTS:
+                started = time.perf_counter()
+                peaks = measure(model, pp, layout, args.chunk_tokens, scratch)
+                rows.append(
+                    {
+                        "model": model,
+                        "pp": pp,
+                        "layout": layout.label,
+                        "measured_bytes": peaks,
+                        "seconds": time.perf_counter() - started,
+                    }
+                )
+                predicted = predict(model, pp, layout, args.chunk_tokens)
+                print_row(model, pp, layout.label, predicted, peaks)
+    if args.json_out:
+        config = {"chunk_tokens": args.chunk_tokens, "command": " ".join(sys.argv)}
+        args.json_out.write_text(json.dumps({**config, "cells": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
