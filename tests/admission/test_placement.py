@@ -129,7 +129,7 @@ BIG = ModelShape(
         (100_000, gpus(40, 40), "ring-2 (replicated KV)"),  # 8 + 12.2 GiB KV fit everywhere
         (100_000, gpus(18, 18), "ring-2 (sharded KV)"),  # the whole KV does not, half does
         (100_000, gpus(12, 12), "pipeline-2"),  # weights + half the KV: only split by layers
-        (100_000, gpus(6.5, 6.5, 6.5, 6.5), "pipeline-4"),  # no ring of 4 fits, 1/4 does
+        (100_000, gpus(7, 7, 7, 7), "pipeline-4"),  # no ring of 4 fits, 1/4 of the layers does
         (100, gpus(40, 40), "single"),  # short prompt: the fewest nodes
     ],
 )
