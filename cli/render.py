@@ -36,6 +36,7 @@ def status_json(record: JobRecord) -> dict[str, Any]:
         "model": record.spec.model,
         "custom_id": record.spec.custom_id,
         "error": record.error,
+        "waiting_reason": record.waiting_reason,
         "created_at": record.created_at,
         "updated_at": record.updated_at,
     }

@@ -12,6 +12,7 @@ from importlib.resources import files
 from pathlib import Path
 
 import click
+import psutil
 from rich.console import Console
 from rq import SimpleWorker
 from rq.serializers import JSONSerializer
@@ -60,8 +61,10 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         try:
             self._spawn("dispatcher", ["dispatcher"], env, logs)
+            share = local_node_share_gib(len(self.node_names))
             for name in self.node_names:
-                self._spawn(name, ["node", "--name", name], env, logs)
+                limit = [] if "RINGQ_NODE_MEMORY_LIMIT_GIB" in env else ["--memory-limit", share]
+                self._spawn(name, ["node", "--name", name, *limit], env, logs)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -208,15 +211,21 @@ def node(name: str | None, address: str, memory_limit: float | None) -> None:
     settings = get_settings()
     setup_service()
     url = redis_url_for(settings)
+    limit_gib = memory_limit or settings.node_memory_limit_gib
     agent = NodeAgent(
         name or socket.gethostname(),
         connect(url),
         url,
         settings,
         address=address,
-        memory_limit_bytes=int(memory_limit * 1024**3) if memory_limit else None,
+        memory_limit_bytes=int(limit_gib * 1024**3) if limit_gib else None,
     )
     agent.run()
+
+
+def local_node_share_gib(nodes: int) -> str:
+    """`ringq up`'s nodes share one machine: each may reserve an equal share of its memory."""
+    return f"{psutil.virtual_memory().total / nodes / 1024**3:.2f}"
 
 
 @click.command()

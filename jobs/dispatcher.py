@@ -3,6 +3,7 @@
 `admit_job` runs inside the dispatcher's RQ worker (no fork) for every submitted job."""
 
 import logging
+import time
 import uuid
 from typing import Literal
 
@@ -10,15 +11,22 @@ import redis
 from rq import get_current_job
 
 from admission.model_shape import ModelShape
-from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
+from admission.placement import (
+    CannotPlace,
+    NodeCapacity,
+    PlacementPlan,
+    PlacementRequest,
+    plan_placement,
+)
 from jobs import keys
 from jobs.errors import AdmissionError, InvalidJobError, RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import load_tokenizer, read_model_shape, resolve_model
+from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, JobKind, JobSpec, NodeInfo, Placement, Progress
 from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
-from jobs.submit import node_queue
+from jobs.submit import admit_queue, node_queue
 
 log = logging.getLogger(__name__)
 CPU_COMPUTE_DTYPE = "float32"  # what CPU ranks compute in (ring_worker.rank_main)
@@ -58,13 +66,44 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         ring_min_tokens=settings.ring_min_tokens,
         kv_layout=settings.decode_kv,
     )
+    reservations = Reservations(conn, settings.reservation_lease_s)
+    free = [capacity(n, reservations.reserved_bytes(n.name)) for n in nodes]
     try:
-        plan = plan_placement(shape, request, [capacity(n) for n in nodes])
-    except CannotPlace as exc:
-        raise AdmissionError(str(exc)) from None
+        plan = plan_placement(shape, request, free)
+    except CannotPlace as busy:
+        try:  # would it fit once the running groups are done?
+            plan_placement(shape, request, [capacity(n) for n in nodes])
+        except CannotPlace as never:
+            raise AdmissionError(str(never)) from None
+        reason = f"waiting for memory that running groups hold: {busy}"
+        return wait(conn, store, job_id, settings, reason)
     by_name = {n.name: n for n in nodes}
+    group_id = uuid.uuid4().hex[:12]
+    needs = {name: (plan.bytes_per_node, by_name[name].memory_bytes) for name in plan.nodes}
+    if (why := reservations.reserve(group_id, needs)) is not None:
+        return wait(conn, store, job_id, settings, why)  # another dispatcher was faster
+    try:
+        return hand_over(conn, store, job_id, settings, plan, by_name, group_id, tokens)
+    except BaseException:
+        for name in plan.nodes:
+            reservations.release(group_id, name)
+        raise
+
+
+def hand_over(
+    conn: redis.Redis,
+    store: JobStore,
+    job_id: str,
+    settings: Settings,
+    plan: PlacementPlan,
+    by_name: dict[str, NodeInfo],
+    group_id: str,
+    tokens: list[int],
+) -> str:
+    """Record the placement and ask each node agent to start its rank of the group."""
+    spec = store.get(job_id).spec
     group = GroupSpec(
-        group_id=uuid.uuid4().hex[:12],
+        group_id=group_id,
         job_id=job_id,
         model=spec.model,
         addresses=[allocate_address(conn, by_name[name], settings) for name in plan.nodes],
@@ -84,7 +123,9 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         bytes_per_node=plan.bytes_per_node,
     )
     progress = Progress(phase=JobState.ADMITTED, total=len(tokens))
-    store.transition(job_id, JobState.ADMITTED, placement=placement, progress=progress)
+    store.transition(
+        job_id, JobState.ADMITTED, placement=placement, progress=progress, waiting_reason=None
+    )
     for rank, name in enumerate(group.nodes):
         node_queue(conn, name).enqueue(
             "ring_worker.node_agent.start_rank",
@@ -95,6 +136,24 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         )
     log.info("job %s admitted: %s on %s", job_id, plan.layout.label, placement.nodes)
     return "admitted"
+
+
+def wait(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings, reason: str) -> str:
+    """The job fits once running groups free memory: it stays queued (saying why) and tries
+    again after the jobs queued behind it, so smaller jobs that fit now go first (backfill)."""
+    store.set_waiting(job_id, reason)
+    queue = admit_queue(conn)
+    time.sleep(settings.admit_retry_s / (1 + queue.count))  # a round over all waiting jobs
+    attempt = int(conn.incr(keys.admit_retries(job_id)))
+    conn.expire(keys.admit_retries(job_id), settings.job_ttl_s)
+    queue.enqueue(
+        "jobs.dispatcher.admit_job",
+        job_id,
+        job_id=f"admit-{job_id}-retry{attempt}",
+        result_ttl=600,
+    )
+    log.info("job %s waits for memory: %s", job_id, reason)
+    return "waiting"
 
 
 def tokenize_and_check(spec: JobSpec) -> tuple[list[int], ModelShape]:
@@ -129,8 +188,10 @@ def choose_exchange(settings: Settings, nodes: list[NodeInfo]) -> Literal["rotat
     return "allgather" if all(n.backend == "cuda" for n in nodes) else "rotate"
 
 
-def capacity(node: NodeInfo) -> NodeCapacity:
-    return NodeCapacity(node.name, node.available_bytes, dense_weights=node.backend == "cpu")
+def capacity(node: NodeInfo, reserved_bytes: int = 0) -> NodeCapacity:
+    """What admission may still promise on `node`: its budget less what running groups hold."""
+    free = node.memory_bytes - reserved_bytes
+    return NodeCapacity(node.name, free, dense_weights=node.backend == "cpu")
 
 
 def allocate_address(conn: redis.Redis, node: NodeInfo, settings: Settings) -> str:

@@ -38,3 +38,15 @@ def ports(address: str) -> str:
 
 def group_failed(group_id: str) -> str:
     return f"{PREFIX}:group:{group_id}:failed"  # reason; agents kill the group's ranks when set
+
+
+def node_reserved(name: str) -> str:
+    return f"{PREFIX}:node:{name}:reserved"  # hash: group id -> bytes reserved on this node
+
+
+def node_leases(name: str) -> str:
+    return f"{PREFIX}:node:{name}:leases"  # sorted set: group id -> lease expiry (unix s)
+
+
+def admit_retries(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:admit-retries"  # counter: RQ ids of re-enqueued admissions

@@ -105,6 +105,7 @@ class JobRecord(_Message):
     placement: Placement | None = None
     result: JobResult | None = None
     error: str | None = None
+    waiting_reason: str | None = None  # queued until memory frees on the nodes: why
     created_at: float
     updated_at: float
 

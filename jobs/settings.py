@@ -36,6 +36,21 @@ class Settings(BaseSettings):
     ring_min_tokens: int = Field(
         default=1024, gt=0, description="Automatic placement runs shorter prompts on one node."
     )
+    node_memory_limit_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description="Memory ringq may reserve on a node (`ringq node --memory-limit`); unset: "
+        "all of it, or an equal share for each of `ringq up`'s local nodes.",
+    )
+    reservation_lease_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A group's memory reservation expires unless its node agent renews it "
+        "within this long (a crashed agent frees its nodes' memory).",
+    )
+    admit_retry_s: float = Field(
+        default=1.0, gt=0, description="How often a job waiting for memory tries again."
+    )
     node_heartbeat_s: float = Field(default=2.0, gt=0)
     node_ttl_s: float = Field(default=10.0, gt=0)
     rank_port_base: int = Field(default=29500, gt=1023, lt=65000)

@@ -79,6 +79,9 @@ class JobStore:
         except (IllegalTransitionError, JobNotFoundError):
             return False
 
+    def set_waiting(self, job_id: str, reason: str) -> None:
+        self.conn.hset(keys.job(job_id), "waiting_reason", json.dumps(reason))
+
     def set_progress(self, job_id: str, progress: Progress) -> None:
         self.conn.hset(keys.job(job_id), "progress", progress.model_dump_json())
 

@@ -17,6 +17,7 @@ from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 
 from jobs import keys
+from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, NodeInfo
 from jobs.settings import Settings
 from jobs.store import JobStore
@@ -59,6 +60,7 @@ class NodeAgent:
         self.ranks: list[RankProcess] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
+        self.reservations = Reservations(conn, settings.reservation_lease_s)
         self.scratch = settings.home / "nodes" / name
         self.scratch.mkdir(parents=True, exist_ok=True)
 
@@ -130,6 +132,7 @@ class NodeAgent:
         for rp in ranks:
             code = rp.process.poll()
             if code is None:
+                self.reservations.renew(rp.group.group_id, self.name)
                 if self.conn.exists(keys.group_failed(rp.group.group_id)):
                     log.info(
                         "job %s rank %d: group failed, stopping rank", rp.group.job_id, rp.rank
@@ -138,6 +141,7 @@ class NodeAgent:
                 continue
             with self.lock:
                 self.ranks.remove(rp)
+            self.reservations.release(rp.group.group_id, self.name)
             if code != 0:
                 self.fail_group(rp, code)
 
