@@ -17,6 +17,7 @@ from cli.top import top
 from jobs.cancel import cancel_job
 from jobs.errors import RingqError
 from jobs.lifecycle import JobState
+from jobs.overview import reserved_per_node
 from jobs.schemas import JobKind, Sharding
 from jobs.store import JobStore
 from jobs.submit import enqueue_jobs, new_job_id, submit_job
@@ -143,12 +144,15 @@ def cancel(job_id, as_json):
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def nodes(as_json):
-    """Live node agents and their memory."""
-    live = JobStore(redis_connection()).live_nodes()
+    """Live node agents, their memory budget and what running groups have reserved of it."""
+    conn = redis_connection()
+    live = JobStore(conn).live_nodes()
+    reserved = reserved_per_node(conn, [n.name for n in live])
     if as_json:
-        echo_json({"nodes": [n.model_dump(mode="json") for n in live]})
+        rows = [{**n.model_dump(mode="json"), "reserved_bytes": reserved[n.name]} for n in live]
+        echo_json({"nodes": rows})
     else:
-        console.print(nodes_table(live))
+        console.print(nodes_table(live, reserved))
 
 
 for _command in (run, bench, up, demo, node, dispatcher, batch, top):

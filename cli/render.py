@@ -139,8 +139,10 @@ def live_progress(poll: Callable[[], tuple[JobProgress, bool]], console: Console
             time.sleep(WATCH_INTERVAL_S)
 
 
-def nodes_table(nodes: list[NodeInfo]) -> Table:
-    table = Table("node", "backend", "address", "memory", "available", "heartbeat")
+def nodes_table(nodes: list[NodeInfo], reserved_bytes: dict[str, int]) -> Table:
+    """`memory`: the node's budget; `reserved`: what running groups hold of it; `free (OS)`:
+    what the operating system (or the GPU) reports free right now."""
+    table = Table("node", "backend", "address", "memory", "reserved", "free (OS)", "heartbeat")
     now = time.time()
     for n in nodes:
         table.add_row(
@@ -148,6 +150,7 @@ def nodes_table(nodes: list[NodeInfo]) -> Table:
             n.backend,
             n.address,
             f"{n.memory_bytes / 1024**3:.1f} GiB",
+            f"{reserved_bytes.get(n.name, 0) / 1024**3:.2f} GiB",
             f"{n.available_bytes / 1024**3:.1f} GiB",
             f"{now - n.heartbeat_at:.1f}s ago",
         )

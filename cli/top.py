@@ -58,7 +58,7 @@ def render_overview(overview: Overview) -> Group:
     stamp = time.strftime("%H:%M:%S", time.localtime(overview.taken_at))
     running = jobs_table(overview.running)
     running.title = f"running jobs: {len(overview.running)}"
-    nodes = nodes_table(overview.nodes)
+    nodes = nodes_table(overview.nodes, overview.reserved_bytes)
     nodes.title = f"live nodes: {len(overview.nodes)}"
     return Group(
         f"[bold]ringq top[/bold]  [dim]{stamp}[/dim]", queues_table(overview.queues), nodes, running

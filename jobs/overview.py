@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from jobs import keys
 from jobs.lifecycle import JobState
+from jobs.reservations import Reservations
 from jobs.schemas import JobKind, NodeInfo, Placement, Progress
 from jobs.store import JobStore
 from jobs.submit import admit_queue, node_queue
@@ -49,18 +50,26 @@ class Overview(_Row):
     taken_at: float
     queues: list[QueueRow]
     nodes: list[NodeInfo]
+    reserved_bytes: dict[str, int]  # node -> bytes held by running groups' reservations
     running: list[RunningJob]
 
 
 def take_overview(conn: redis.Redis) -> Overview:
     """Queues (the admit queue, then every registered node's), live nodes, running jobs."""
     store = JobStore(conn)
+    nodes = store.live_nodes()
     return Overview(
         taken_at=time.time(),
         queues=queue_rows(conn),
-        nodes=store.live_nodes(),
+        nodes=nodes,
+        reserved_bytes=reserved_per_node(conn, [n.name for n in nodes]),
         running=running_jobs(conn),
     )
+
+
+def reserved_per_node(conn: redis.Redis, names: list[str]) -> dict[str, int]:
+    reservations = Reservations(conn, lease_s=0)  # read only: the lease length is not used
+    return {name: reservations.reserved_bytes(name) for name in names}
 
 
 def queue_rows(conn: redis.Redis) -> list[QueueRow]:

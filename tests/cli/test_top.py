@@ -110,7 +110,7 @@ def test_top_json_is_one_object(ringq, busy):
     out = ringq("top", "--json")
     assert out.exit_code == 0, out.output
     payload = json.loads(out.stdout)
-    assert set(payload) == {"taken_at", "queues", "nodes", "running"}
+    assert set(payload) == {"taken_at", "queues", "nodes", "reserved_bytes", "running"}
     assert payload["queues"][0] == {"name": "ringq:admit", "queued": 5, "started": 0}
     assert {n["name"]: n["available_bytes"] for n in payload["nodes"]} == {
         "node-0": 20 * GiB,
