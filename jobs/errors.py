@@ -35,3 +35,7 @@ class IllegalTransitionError(RingqError):
 
 class RedisUnavailableError(RingqError):
     """Redis cannot be reached or started."""
+
+
+class CorruptRecordError(RingqError):
+    """A record in Redis is not what ringq wrote (not JSON, e.g. a planted pickle)."""

@@ -8,7 +8,12 @@ from typing import Any
 import redis
 
 from jobs import keys
-from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundError
+from jobs.errors import (
+    CorruptRecordError,
+    IllegalTransitionError,
+    InvalidJobError,
+    JobNotFoundError,
+)
 from jobs.lifecycle import JobState, can_transition
 from jobs.schemas import JobRecord, JobSpec, NodeInfo, Progress
 
@@ -43,7 +48,13 @@ class JobStore:
         raw = self.conn.hgetall(keys.job(job_id))
         if not raw:
             raise JobNotFoundError(f"no job {job_id!r} (it never existed or its record expired)")
-        return JobRecord.model_validate(_decode(raw))
+        try:
+            fields = _decode(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise CorruptRecordError(
+                f"job {job_id!r}: its record in Redis is not valid JSON"
+            ) from None
+        return JobRecord.model_validate(fields)
 
     def transition(self, job_id: str, new: JobState, **fields: Any) -> JobRecord:
         """Move a job to `new` if the lifecycle allows it, writing `fields` in the same step."""
