@@ -19,11 +19,11 @@ from admission.placement import (
     plan_placement,
 )
 from jobs import keys
-from jobs.errors import AdmissionError, InvalidJobError, RingqError
+from jobs.errors import AdmissionError, InvalidJobError, JobNotFoundError, RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import load_tokenizer, read_model_shape, resolve_model
 from jobs.reservations import Reservations
-from jobs.schemas import GroupSpec, JobKind, JobSpec, NodeInfo, Placement, Progress
+from jobs.schemas import GroupSpec, JobKind, JobRecord, JobSpec, NodeInfo, Placement, Progress
 from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
 from jobs.submit import admit_queue, node_queue
@@ -55,7 +55,7 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
     if record.state != JobState.QUEUED:
         return f"skipped ({record.state})"
     spec = record.spec
-    tokens, shape = tokenize_and_check(spec)
+    tokens, shape = tokenize_and_check(spec, stored_tokens(store, job_id, record))
     nodes = store.live_nodes()
     request = PlacementRequest(
         prompt_tokens=len(tokens),
@@ -76,11 +76,13 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         except CannotPlace as never:
             raise AdmissionError(str(never)) from None
         reason = f"waiting for memory that running groups hold: {busy}"
+        store.set_tokens(job_id, tokens)  # a retry need not tokenise again
         return wait(conn, store, job_id, settings, reason)
     by_name = {n.name: n for n in nodes}
     group_id = uuid.uuid4().hex[:12]
     needs = {name: (plan.bytes_per_node, by_name[name].memory_bytes) for name in plan.nodes}
     if (why := reservations.reserve(group_id, needs)) is not None:
+        store.set_tokens(job_id, tokens)
         return wait(conn, store, job_id, settings, why)  # another dispatcher was faster
     try:
         return hand_over(conn, store, job_id, settings, plan, by_name, group_id, tokens)
@@ -156,9 +158,22 @@ def wait(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings, re
     return "waiting"
 
 
-def tokenize_and_check(spec: JobSpec) -> tuple[list[int], ModelShape]:
-    """The job's prompt tokens and its model's shape; InvalidJobError past the model's context."""
-    tokens = prompt_tokens(spec)
+def stored_tokens(store: JobStore, job_id: str, record: JobRecord) -> list[int] | None:
+    """Tokens an earlier attempt stored for a job that waited for memory."""
+    if record.waiting_reason is None:
+        return None
+    try:
+        return store.get_tokens(job_id)
+    except JobNotFoundError:
+        return None
+
+
+def tokenize_and_check(
+    spec: JobSpec, tokens: list[int] | None = None
+) -> tuple[list[int], ModelShape]:
+    """The job's prompt tokens (given ones are reused) and its model's shape; InvalidJobError
+    past the model's context."""
+    tokens = prompt_tokens(spec) if tokens is None else tokens
     shape = read_model_shape(resolve_model(spec.model), dtype=CPU_COMPUTE_DTYPE)
     if len(tokens) + new_tokens(spec) > shape.context_length:
         raise InvalidJobError(
