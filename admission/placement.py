@@ -9,6 +9,7 @@ candidates to what the user asked for.
 """
 
 from dataclasses import dataclass
+from typing import cast
 
 from admission.estimate import KVLayout, Layout, MemoryEstimate, estimate_node_bytes
 from admission.model_shape import ModelShape
@@ -81,7 +82,7 @@ def layouts_of_size(request: PlacementRequest, size: int, layers: int) -> list[L
         return [Layout("single")]
     kv_layouts: list[KVLayout] = ["replicated", "sharded"]
     if request.kv_layout in kv_layouts:
-        kv_layouts = [request.kv_layout]  # type: ignore[list-item]
+        kv_layouts = [cast(KVLayout, request.kv_layout)]
     ring = [Layout("ring", size, kv) for kv in kv_layouts]
     pipeline = [Layout("pipeline", size)] if size <= layers else []
     if request.sharding == "ring":

@@ -17,8 +17,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
-from admission.estimate import Layout, estimate_node_bytes
+from admission.estimate import KVLayout, Layout, Strategy, estimate_node_bytes
 from cli.bench import build_prompts
 from jobs.model_catalog import read_model_shape, resolve_model
 from jobs.schemas import JobKind, JobSpec, Sharding
@@ -66,7 +67,7 @@ def parse_layout(label: str) -> Layout:
         return Layout("single")
     strategy, size = label.split()[0].split("-")
     kv_layout = "sharded" if "sharded" in label else "replicated"
-    return Layout(strategy, int(size), kv_layout)  # type: ignore[arg-type]
+    return Layout(cast(Strategy, strategy), int(size), cast(KVLayout, kv_layout))
 
 
 def predict(model: str, pp: int, layout: Layout, chunk_tokens: int) -> int:

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def node_backend() -> Backend:
     visible, cpu elsewhere."""
     forced = os.environ.get("RINGQ_BACKEND")
     if forced in ("cpu", "cuda", "metal"):
-        return forced  # type: ignore[return-value]
+        return cast(Backend, forced)
     if sys.platform == "darwin":
         return "metal"
     return "cuda" if visible_gpus() else "cpu"
