@@ -11,6 +11,7 @@ from typing import cast
 
 import redis
 
+from admission.placement import gib
 from jobs import keys
 
 # KEYS: reserved hash, leases zset for each node. ARGV: now, expiry, group, then need and
@@ -89,7 +90,3 @@ class Reservations:
             pipe.hdel(keys.node_reserved(name), group_id)
             pipe.zrem(keys.node_leases(name), group_id)
             pipe.execute()
-
-
-def gib(n: int) -> str:
-    return f"{n / 1024**3:.2f} GiB"

@@ -5,6 +5,7 @@ CUDA: one GPU per rank through CUDA_VISIBLE_DEVICES, NCCL_NVLS_ENABLE=0 always (
 hangs these machines), and an MLX memory limit below the card's free memory (MLX CUDA allocates
 managed memory and would otherwise spill into host memory instead of failing)."""
 
+import functools
 import logging
 import os
 import subprocess
@@ -36,15 +37,22 @@ def visible_gpus() -> list[str]:
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [d.strip() for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    return list(installed_gpus())
+
+
+@functools.cache
+def installed_gpus() -> tuple[str, ...]:
+    """Every NVIDIA GPU of the machine, probed once per process (node agents ask on every
+    heartbeat; a machine's GPUs do not change while it runs)."""
     if NVIDIA_GPUS_DIR.is_dir():
-        return [str(i) for i in range(len(list(NVIDIA_GPUS_DIR.iterdir())))]
+        return tuple(str(i) for i in range(len(list(NVIDIA_GPUS_DIR.iterdir()))))
     try:  # containers often hide /proc/driver/nvidia but ship nvidia-smi
         listing = subprocess.run(
             ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=True
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return []
-    return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")]
+        return ()
+    return tuple(str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU "))
 
 
 def rank_device_environment(local_rank: int) -> dict[str, str]:
