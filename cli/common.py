@@ -12,6 +12,7 @@ import click
 import redis
 
 from jobs.errors import InvalidJobError, RedisUnavailableError
+from jobs.files import printable_name, read_at_most
 from jobs.redis_server import SOCKET_NAME, connect, is_alive, redis_data_dir, unix_url
 from jobs.settings import Settings, get_settings
 
@@ -39,7 +40,10 @@ def expand_files(args: Sequence[str]) -> list[str]:
     (sorted). A name that exists is never taken as a pattern."""
     paths: list[str] = []
     for arg in args:
-        paths += _expand_one(arg)
+        try:
+            paths += _expand_one(arg)
+        except OSError as exc:  # a name too long, a directory we may not list
+            raise InvalidJobError(f"{arg}: {exc.strerror or exc}") from None
     if paths.count("-") > 1:
         raise InvalidJobError("'-' (stdin) can be given once")
     return paths
@@ -61,7 +65,7 @@ def _expand_one(arg: str) -> list[str]:
         if not found:
             raise InvalidJobError(f"{arg}: no files match this pattern")
         return found
-    raise InvalidJobError(f"{arg}: no such file")
+    raise InvalidJobError(f"{arg}: " + ("not a regular file" if path.exists() else "no such file"))
 
 
 def read_document(path: str, max_bytes: int) -> tuple[str, str]:
@@ -71,19 +75,22 @@ def read_document(path: str, max_bytes: int) -> tuple[str, str]:
         name = "<stdin>"
     else:
         file = Path(path)
-        if not file.is_file():
-            raise InvalidJobError(f"{path}: no such file")
-        if file.stat().st_size > max_bytes:
-            raise InvalidJobError(
-                f"{path}: {file.stat().st_size} bytes is over the limit of {max_bytes} "
-                "(RINGQ_MAX_DOCUMENT_BYTES)"
-            )
-        data = file.read_bytes()
-        name = file.name
+        try:
+            if not file.is_file():
+                raise InvalidJobError(f"{path}: no such file")
+            if file.stat().st_size > max_bytes:
+                raise InvalidJobError(
+                    f"{path}: {file.stat().st_size} bytes is over the limit of {max_bytes} "
+                    "(RINGQ_MAX_DOCUMENT_BYTES)"
+                )
+            data = read_at_most(file, max_bytes)
+        except OSError as exc:  # no permission, a name too long
+            raise InvalidJobError(f"{path}: {exc.strerror or exc}") from None
+        name = printable_name(file)
     if len(data) > max_bytes:
         raise InvalidJobError(f"{name}: over the limit of {max_bytes} bytes")
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark is not part of the text
     except UnicodeDecodeError as exc:
         raise InvalidJobError(
             f"{name}: not UTF-8 text (byte {exc.start}); convert it to UTF-8 first"

@@ -14,17 +14,16 @@ from pathlib import Path
 import click
 import psutil
 from rich.console import Console
-from rq import SimpleWorker
-from rq.serializers import JSONSerializer
 
-from cli.common import interrupt_on_sigterm, redis_connection, redis_url_for
+from cli.common import interrupt_on_sigterm, redis_url_for
 from cli.render import print_result, result_json, watch
+from jobs.dispatcher import serve
 from jobs.errors import RingqError
-from jobs.redis_server import RedisHandle, connect, ensure_redis
+from jobs.redis_server import SERVICE_RIDE_OUT_S, RedisHandle, connect, ensure_redis
 from jobs.schemas import JobKind, JobSpec
 from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
-from jobs.submit import admit_queue, submit_job
+from jobs.submit import submit_job
 from ring_worker.node_agent import NodeAgent, log_tail
 
 console = Console(stderr=True)
@@ -47,6 +46,7 @@ class LocalCluster:
         self.node_names = [f"{name_prefix}-{i}" for i in range(node_count)]
         self.redis: RedisHandle | None = None
         self.children: list[tuple[str, subprocess.Popen, Path]] = []
+        self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}
 
     def __enter__(self) -> "LocalCluster":
         self.redis = ensure_redis(self.settings)
@@ -61,7 +61,7 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         try:
             self._spawn("dispatcher", ["dispatcher"], env, logs)
-            share = local_node_share_gib(len(self.node_names))
+            share = local_node_share_gib(max(1, len(self.node_names)))
             for name in self.node_names:
                 limit = [] if "RINGQ_NODE_MEMORY_LIMIT_GIB" in env else ["--memory-limit", share]
                 self._spawn(name, ["node", "--name", name, *limit], env, logs)
@@ -70,7 +70,15 @@ class LocalCluster:
             raise
         return self
 
+    def restart(self, label: str) -> subprocess.Popen:
+        """Start the service `label` again (after it died or was killed) with its command."""
+        args, env = self._commands[label]
+        self.children = [child for child in self.children if child[0] != label]
+        self._spawn(label, args, env, self.settings.home / "logs")
+        return self.children[-1][1]
+
     def _spawn(self, label: str, args: list[str], env: dict[str, str], logs: Path) -> None:
+        self._commands[label] = (args, env)
         log_path = logs / f"{label}.log"
         with open(log_path, "ab") as out:
             process = subprocess.Popen(
@@ -214,7 +222,7 @@ def node(name: str | None, address: str, memory_limit: float | None) -> None:
     limit_gib = memory_limit or settings.node_memory_limit_gib
     agent = NodeAgent(
         name or socket.gethostname(),
-        connect(url),
+        connect(url, ride_out_s=SERVICE_RIDE_OUT_S),
         url,
         settings,
         address=address,
@@ -232,14 +240,8 @@ def local_node_share_gib(nodes: int) -> str:
 def dispatcher() -> None:
     """Run the dispatcher: admit, place and hand over submitted jobs."""
     setup_service()
-    conn = redis_connection()
-    worker = SimpleWorker(
-        [admit_queue(conn)],
-        connection=conn,
-        serializer=JSONSerializer,
-        name=f"ringq-dispatcher-{socket.gethostname()}-{os.getpid()}",
-    )
-    worker.work(logging_level="WARNING")
+    settings = get_settings()
+    serve(connect(redis_url_for(settings), ride_out_s=SERVICE_RIDE_OUT_S), settings)
 
 
 def setup_service() -> None:

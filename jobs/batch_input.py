@@ -11,7 +11,7 @@ Two line forms, told apart by the presence of `url`, `method` or `body`:
   Other body fields (top_p, n, ...) are ignored; assistant and tool messages are refused.
 - Plain: `{"custom_id", "document" | "document_path", "prompt"?, "kind"? ("prefill" | "generate",
   default generate), "max_tokens"?, "temperature"?, "model"?}`; `document_path` is relative to
-  the JSONL file's directory.
+  the JSONL file's directory, a regular file, and inside RINGQ_ALLOWED_DIRS when that is set.
 
 A line's own `model` is used unless the caller overrides every line's model (OpenAI files name
 models like "gpt-4o-mini" that ringq cannot run). Nothing is tokenised here: the dispatcher does
@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from jobs.errors import BatchInputError, RingqError
+from jobs.files import allowed_path, printable_name, read_at_most
 from jobs.model_catalog import resolve_model
 from jobs.schemas import JobKind, JobSpec
 
@@ -133,6 +134,7 @@ class Defaults:
     default_model: str
     max_tokens: int
     max_document_bytes: int
+    allowed_dirs: list[Path] | None = None  # RINGQ_ALLOWED_DIRS: where document_path may point
 
 
 @dataclass(frozen=True)
@@ -147,9 +149,13 @@ def parse_batch_file(path: Path, defaults: Defaults) -> ParsedBatch:
     try:
         with path.open(encoding="utf-8-sig") as file:  # tolerate a byte-order mark
             lines = file.read().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BatchInputError(f"cannot read {path}: {exc}", []) from None
-    return parse_batch_lines(lines, path.parent, path.name, defaults)
+    except OSError as exc:
+        raise BatchInputError(f"cannot read {path}: {exc.strerror or exc}", []) from None
+    except UnicodeDecodeError as exc:
+        raise BatchInputError(
+            f"{path}: not UTF-8 text (byte {exc.start}); a batch file is UTF-8 JSON Lines", []
+        ) from None
+    return parse_batch_lines(lines, path.parent, printable_name(path), defaults)
 
 
 def parse_batch_lines(
@@ -211,6 +217,8 @@ def _parse_line(number: int, line: str, base_dir: Path, defaults: Defaults) -> B
         raw = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON: {exc.msg} (column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # an integer of 5,000 digits, [[[[...]]]]
+        raise ValueError(f"invalid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
     try:
@@ -243,7 +251,7 @@ def _openai_item(number: int, line: OpenAILine, defaults: Defaults) -> BatchItem
 
 def _plain_item(number: int, line: PlainLine, base_dir: Path, defaults: Defaults) -> BatchItem:
     if line.document_path is not None:
-        document, name = _read_document(base_dir / line.document_path, defaults.max_document_bytes)
+        document, name = _read_document(base_dir / line.document_path, defaults)
     else:
         document, name = line.document or "", line.custom_id
     spec = _spec(
@@ -270,7 +278,8 @@ def _spec(
     **fields: Any,
 ) -> JobSpec:
     """A JobSpec with the batch's defaults; its own validation (empty document, ranges) applies."""
-    if len(document.encode("utf-8")) > defaults.max_document_bytes:
+    # surrogatepass: a lone surrogate (not valid Unicode) is JobSpec's to report, by field.
+    if len(document.encode("utf-8", "surrogatepass")) > defaults.max_document_bytes:
         raise ValueError(
             f"document over the limit of {defaults.max_document_bytes} bytes "
             "(RINGQ_MAX_DOCUMENT_BYTES)"
@@ -291,17 +300,21 @@ def first_given(*values: int | None) -> int | None:
     return next((value for value in values if value is not None), None)
 
 
-def _read_document(path: Path, max_bytes: int) -> tuple[str, str]:
+def _read_document(path: Path, defaults: Defaults) -> tuple[str, str]:
+    """(text, name) of a regular UTF-8 file of at most max_document_bytes; ForbiddenPathError
+    outside the allowed dirs."""
+    max_bytes = defaults.max_document_bytes
     try:
-        size_bytes = path.stat().st_size
-        if size_bytes > max_bytes:
-            raise ValueError(
-                f"document_path {path}: {size_bytes} bytes is over the limit of {max_bytes} "
-                "(RINGQ_MAX_DOCUMENT_BYTES)"
-            )
-        return path.read_bytes().decode("utf-8"), path.name
-    except OSError as exc:
-        raise ValueError(f"document_path {path}: {exc.strerror or exc}") from None
+        file = allowed_path(path, defaults.allowed_dirs, "document_path")
+        data = read_at_most(file, max_bytes)
+    except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise ValueError(f"document_path {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if len(data) > max_bytes:
+        raise ValueError(
+            f"document_path {path}: over the limit of {max_bytes} bytes (RINGQ_MAX_DOCUMENT_BYTES)"
+        )
+    try:
+        return data.decode("utf-8-sig"), printable_name(path)
     except UnicodeDecodeError as exc:
         raise ValueError(f"document_path {path}: not UTF-8 text (byte {exc.start})") from None
 

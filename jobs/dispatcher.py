@@ -3,6 +3,7 @@
 `admit_job` runs inside the dispatcher's RQ worker (no fork) for every submitted job."""
 
 import logging
+import sys
 import time
 import uuid
 from typing import Literal
@@ -22,11 +23,13 @@ from jobs import keys
 from jobs.errors import AdmissionError, InvalidJobError, JobNotFoundError, RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import load_tokenizer, read_model_shape, resolve_model
+from jobs.recovery import Reconciler, fresh_nodes, retry_delay_s, track_group
 from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, JobKind, JobRecord, JobSpec, NodeInfo, Placement, Progress
 from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
-from jobs.submit import admit_queue, node_queue
+from jobs.submit import admit_data, admit_queue, node_queue
+from jobs.workers import service_worker
 
 log = logging.getLogger(__name__)
 CPU_COMPUTE_DTYPE = "float32"  # what CPU ranks compute in (ring_worker.rank_main)
@@ -54,16 +57,24 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
     record = store.get(job_id)
     if record.state != JobState.QUEUED:
         return f"skipped ({record.state})"
+    if record.attempt and time.time() < record.updated_at + retry_delay_s(settings):
+        # a retry: wait until a node that died with the lost group is no longer live
+        return wait(conn, store, job_id, settings, record.waiting_reason or "retrying")
     spec = record.spec
     tokens, shape = tokenize_and_check(spec, stored_tokens(store, job_id, record))
-    nodes = store.live_nodes()
+    nodes = fresh_nodes(store.live_nodes(), settings)
+    if not nodes and (known := conn.scard(keys.NODES_INDEX)):
+        store.set_tokens(job_id, tokens)
+        reason = f"no node agent is live right now ({known} registered before): waiting for one"
+        return wait(conn, store, job_id, settings, reason)
     request = PlacementRequest(
         prompt_tokens=len(tokens),
         max_new_tokens=new_tokens(spec),
         chunk_tokens=settings.prefill_chunk_tokens,
         ring_size=None if spec.ring_size == "auto" else spec.ring_size,
         sharding=spec.sharding.value,
-        ring_min_tokens=settings.ring_min_tokens,
+        # A retry runs on the fewest nodes that fit: a lost group may have been a broken link.
+        ring_min_tokens=sys.maxsize if record.attempt else settings.ring_min_tokens,
         kv_layout=settings.decode_kv,
     )
     reservations = Reservations(conn, settings.reservation_lease_s)
@@ -90,6 +101,15 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         for name in plan.nodes:
             reservations.release(group_id, name)
         raise
+
+
+def serve(conn: redis.Redis, settings: Settings) -> None:
+    """The dispatcher service: admissions from the admit queue, and the reconciler alongside."""
+    reconciler = Reconciler(conn, settings).start()
+    try:
+        service_worker(admit_queue(conn), conn, "dispatcher").work(logging_level="WARNING")
+    finally:
+        reconciler.stop()
 
 
 def hand_over(
@@ -128,6 +148,7 @@ def hand_over(
     store.transition(
         job_id, JobState.ADMITTED, placement=placement, progress=progress, waiting_reason=None
     )
+    track_group(conn, group)
     for rank, name in enumerate(group.nodes):
         node_queue(conn, name).enqueue(
             "ring_worker.node_agent.start_rank",
@@ -148,12 +169,7 @@ def wait(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings, re
     time.sleep(settings.admit_retry_s / (1 + queue.count))  # a round over all waiting jobs
     attempt = int(conn.incr(keys.admit_retries(job_id)))
     conn.expire(keys.admit_retries(job_id), settings.job_ttl_s)
-    queue.enqueue(
-        "jobs.dispatcher.admit_job",
-        job_id,
-        job_id=f"admit-{job_id}-retry{attempt}",
-        result_ttl=600,
-    )
+    queue.enqueue_many([admit_data(job_id, f"-wait{attempt}")])
     log.info("job %s waits for memory: %s", job_id, reason)
     return "waiting"
 

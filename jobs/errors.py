@@ -21,6 +21,10 @@ class UnknownModelError(RingqError):
     """The model name or path does not resolve to a model ringq can load."""
 
 
+class ForbiddenPathError(RingqError):
+    """A path outside RINGQ_ALLOWED_DIRS: services read files only from those directories."""
+
+
 class AdmissionError(RingqError):
     """The job cannot be placed on the live nodes (needs more memory than they have)."""
 
@@ -39,3 +43,11 @@ class RedisUnavailableError(RingqError):
 
 class CorruptRecordError(RingqError):
     """A record in Redis is not what ringq wrote (not JSON, e.g. a planted pickle)."""
+
+
+class StaleGroupError(RingqError):
+    """A group wrote to a job that has moved on to another group (it was lost and retried)."""
+
+
+class ModelLoadError(RingqError):
+    """A rank could not load the job's model (missing or truncated weights...)."""

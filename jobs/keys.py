@@ -50,3 +50,6 @@ def node_leases(name: str) -> str:
 
 def admit_retries(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:admit-retries"  # counter: RQ ids of re-enqueued admissions
+
+
+GROUPS_INDEX = f"{PREFIX}:groups"  # hash: group id -> JSON {group, admitted_at} while it runs

@@ -4,7 +4,7 @@ import importlib.metadata
 import json
 import math
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -13,6 +13,8 @@ from typing import Any, Literal
 from admission.model_shape import ModelShape
 from jobs import random_models
 from jobs.errors import InvalidJobError, UnknownModelError
+from jobs.files import allowed_path
+from jobs.settings import get_settings
 
 DEFAULT_MODEL = "smollm2"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
@@ -40,6 +42,14 @@ _QWEN2_SPLIT = (
 )
 _SPLIT_PRE = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 _CONTROL_TOKEN, _USER_DEFINED_TOKEN = 3, 4  # llama.cpp token types
+# Config entries read_model_shape needs as numbers.
+_SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "vocab_size",
+)
 
 
 @dataclass(frozen=True)
@@ -50,7 +60,8 @@ class ModelSource:
 
 
 def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
-    """A built-in name, a `.gguf` file or an HF / mlx-lm directory, checked to be one we run."""
+    """A built-in name, a `.gguf` file or an HF / mlx-lm directory, checked to be one we run.
+    Files must lie in RINGQ_ALLOWED_DIRS when that is set."""
     if name_or_path in PACKAGED_MODELS:
         source = ModelSource(name_or_path, _find_packaged_file(name_or_path), "gguf")
     elif random_models.is_random(name_or_path):
@@ -61,25 +72,44 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
             )
         source = ModelSource(name_or_path, Path(name_or_path), "random")
     else:
-        path = Path(name_or_path).expanduser().resolve()
-        if path.is_file() and path.suffix == ".gguf":
-            source = ModelSource(str(path), path, "gguf")
-        elif path.is_dir() and (path / "config.json").is_file():
-            source = ModelSource(str(path), path, "hf")
-            _safetensors_header(path)  # raises when the weights are missing
-        else:
-            raise UnknownModelError(
-                f"model {name_or_path!r} not found: it is neither a built-in name "
-                f"({', '.join(sorted(PACKAGED_MODELS))}), nor a .gguf file, nor a directory "
-                "with config.json and *.safetensors (an HF / mlx-lm model directory)"
-            )
-    architecture = model_config(source)["model_type"]
+        source = _local_model(name_or_path, get_settings().allowed_dirs)
+    config = model_config(source)
+    architecture = config["model_type"]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnknownModelError(
             f"model {name_or_path!r} is a {architecture!r} model; ringq runs only "
             f"{' and '.join(SUPPORTED_ARCHITECTURES)} models"
         )
+    bad = [key for key in _SHAPE_KEYS if not _is_positive_int(config.get(key))]
+    if bad:
+        raise UnknownModelError(
+            f"model {name_or_path!r}: its config lacks positive integers for {', '.join(bad)}"
+        )
     return source
+
+
+def _local_model(name_or_path: str, allowed_dirs: Sequence[Path] | None) -> ModelSource:
+    """A .gguf file or an HF directory on disk; ForbiddenPathError outside `allowed_dirs`."""
+    try:
+        path = allowed_path(Path(name_or_path).expanduser(), allowed_dirs, "model")
+        if path.is_file() and path.suffix == ".gguf":
+            return ModelSource(str(path), path, "gguf")
+        if path.is_dir() and (path / "config.json").is_file():
+            for file in path.iterdir() if allowed_dirs is not None else ():
+                allowed_path(file, allowed_dirs, "model file")  # a symlink inside may lead out
+            _safetensors_header(path)  # raises when the weights are missing
+            return ModelSource(str(path), path, "hf")
+    except (OSError, ValueError, RuntimeError) as error:  # NUL, name too long, symlink loop, ~user
+        raise UnknownModelError(f"model {name_or_path!r}: cannot read it ({error})") from None
+    raise UnknownModelError(
+        f"model {name_or_path!r} not found: it is neither a built-in name "
+        f"({', '.join(sorted(PACKAGED_MODELS))}), nor a .gguf file, nor a directory "
+        "with config.json and *.safetensors (an HF / mlx-lm model directory)"
+    )
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _find_packaged_file(name: str) -> Path:
@@ -113,10 +143,10 @@ def model_config(source: ModelSource) -> dict[str, Any]:
 
 def _read_hf_config(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UnknownModelError(f"cannot read {path / 'config.json'}: {error}") from error
-    if "model_type" not in config:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8
+        raise UnknownModelError(f"cannot read {path / 'config.json'}: {error}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
         raise UnknownModelError(f"{path / 'config.json'} names no model_type")
     return config
 
@@ -184,19 +214,19 @@ def _read_gguf(path: Path) -> _GgufFile:
 def _read_gguf_version(path: Path, version: tuple) -> _GgufFile:
     from gguf import GGUFReader  # memory-maps, but builds a view per token: ~2 s for SmolLM2
 
+    arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
     try:
         reader = GGUFReader(path)
-    except (OSError, ValueError, struct.error) as error:
-        raise UnknownModelError(f"{path} is not a readable GGUF file: {error}") from error
-    arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
-    metadata = {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if key not in arrays and not key.startswith("GGUF.")
-    }
-    tokens, token_types, merges = (
-        tuple(reader.fields[key].contents()) if key in reader.fields else () for key in arrays
-    )
+        metadata = {
+            key: field.contents()
+            for key, field in reader.fields.items()
+            if key not in arrays and not key.startswith("GGUF.")
+        }
+        tokens, token_types, merges = (
+            tuple(reader.fields[key].contents()) if key in reader.fields else () for key in arrays
+        )
+    except Exception as error:  # bad bytes fail inside gguf/numpy with whatever they raise
+        raise UnknownModelError(f"{path} is not a readable GGUF file: {error}") from None
     metadata["tokenizer.ggml.tokens_count"] = len(tokens)
     return _GgufFile(
         metadata=metadata,
@@ -258,12 +288,27 @@ def _safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     """Tensor name -> {dtype, shape, data_offsets} over every model*.safetensors file."""
     header: dict[str, dict[str, Any]] = {}
     for file in sorted(path.glob("model*.safetensors")):
-        with file.open("rb") as stream:
-            (length,) = struct.unpack("<Q", stream.read(8))
-            header.update(json.loads(stream.read(length)))
-    header.pop("__metadata__", None)
+        header.update(_safetensors_file_header(file))
     if not header:
         raise UnknownModelError(f"{path} has no model*.safetensors weights")
+    return header
+
+
+def _safetensors_file_header(file: Path) -> dict[str, dict[str, Any]]:
+    try:
+        with file.open("rb") as stream:
+            (length,) = struct.unpack("<Q", stream.read(8))
+            if length > file.stat().st_size:
+                raise ValueError(f"a header of {length} bytes is longer than the file")
+            header = json.loads(stream.read(length))
+    except (OSError, ValueError, RecursionError, struct.error) as error:
+        raise UnknownModelError(f"{file} is not a readable safetensors file: {error}") from None
+    if not isinstance(header, dict):
+        raise UnknownModelError(f"{file}: its header is not a JSON object")
+    header.pop("__metadata__", None)
+    for name, entry in header.items():
+        if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= entry.keys()):
+            raise UnknownModelError(f"{file}: tensor {name!r} lacks dtype, shape or data_offsets")
     return header
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from jobs.errors import RedisUnavailableError
 from jobs.settings import Settings
@@ -85,14 +87,28 @@ def redis_binary() -> Path:
     )
 
 
-def connect(url: str, *, timeout_s: float = 5.0, check: bool = True) -> redis.Redis:
-    """A client for `url` that returns bytes, as RQ requires; with `check`, PING it first."""
+SERVICE_RIDE_OUT_S = 60.0  # how long services keep retrying through a Redis outage
+
+
+def connect(
+    url: str, *, timeout_s: float = 5.0, check: bool = True, ride_out_s: float = 0.0
+) -> redis.Redis:
+    """A client for `url` that returns bytes, as RQ requires; with `check`, PING it first.
+    `ride_out_s`: services retry every command that loses its connection for about this long
+    (backing off up to 1 s), so a Redis restart does not take them down."""
     # RQ 3.0 stores zlib-compressed job data: decode_responses=True breaks Job.fetch.
+    extra = {}
+    if ride_out_s > 0:
+        extra = {
+            "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=int(ride_out_s) + 5),
+            "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+        }
     client = redis.Redis.from_url(
         url,
         decode_responses=False,
         socket_connect_timeout=timeout_s,
         health_check_interval=30,
+        **extra,
     )
     if check:
         try:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jobs.lifecycle import JobState
 
-JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "$" would allow a "\n"
 DEFAULT_GENERATE_PROMPT = "Summarise the document above in a few sentences."
 
 
@@ -51,6 +51,16 @@ class JobSpec(_Message):
             raise ValueError("the document is empty (only whitespace)")
         if "\x00" in value:
             raise ValueError("the document contains NUL bytes: is it a binary file?")
+        return value
+
+    @field_validator("document_name", "prompt")
+    @classmethod
+    def _is_unicode(cls, value: str | None) -> str | None:
+        try:
+            if value is not None:
+                value.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: bytes that were not UTF-8
+            raise ValueError(f"not valid Unicode text (a lone surrogate at {exc.start})") from None
         return value
 
     @model_validator(mode="after")
@@ -106,6 +116,8 @@ class JobRecord(_Message):
     result: JobResult | None = None
     error: str | None = None
     waiting_reason: str | None = None  # queued until memory frees on the nodes: why
+    attempt: int = 0  # placements tried after a lost group (at most RINGQ_MAX_RETRIES)
+    retry_reasons: list[str] = []  # why each earlier group was lost
     created_at: float
     updated_at: float
 
@@ -156,7 +168,7 @@ class GroupSpec(_Message):
 
 
 def check_job_id(job_id: str) -> str:
-    if not JOB_ID_PATTERN.match(job_id):
+    if not JOB_ID_PATTERN.fullmatch(job_id):
         raise ValueError(
             f"invalid job id {job_id!r}: use 1-64 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"

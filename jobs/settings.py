@@ -63,6 +63,17 @@ class Settings(BaseSettings):
         description="A rank with no progress (chunk, decode step) for this long dumps its threads "
         "and exits, failing the job.",
     )
+    max_retries: int = Field(
+        default=2,
+        ge=0,
+        description="How often a job whose group was lost (a rank or node died, a link broke, a "
+        "stall) is placed again before it fails.",
+    )
+    allowed_dirs: list[Path] | None = Field(
+        default=None,
+        description="Directories services may read models (and other files) from, as a JSON "
+        "list, e.g. '[\"/models\"]'; unset: any path the service user can read.",
+    )
 
 
 @lru_cache(maxsize=1)

@@ -2,7 +2,7 @@
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -13,6 +13,7 @@ from jobs.errors import (
     IllegalTransitionError,
     InvalidJobError,
     JobNotFoundError,
+    StaleGroupError,
 )
 from jobs.lifecycle import JobState, can_transition
 from jobs.schemas import JobRecord, JobSpec, NodeInfo, Progress
@@ -56,23 +57,38 @@ class JobStore:
             ) from None
         return JobRecord.model_validate(fields)
 
-    def transition(self, job_id: str, new: JobState, **fields: Any) -> JobRecord:
-        """Move a job to `new` if the lifecycle allows it, writing `fields` in the same step."""
+    def transition(
+        self,
+        job_id: str,
+        new: JobState,
+        *,
+        group_id: str | None = None,
+        also: Callable[[redis.client.Pipeline], object] | None = None,
+        **fields: Any,
+    ) -> JobRecord:
+        """Move a job to `new` if the lifecycle allows it, writing `fields` in the same step.
+        With `group_id`, only while the job is still placed on that group (StaleGroupError
+        otherwise): a lost group's ranks can never touch the job's retry. `also` adds writes
+        to the same transaction."""
         key = keys.job(job_id)
         with self.conn.pipeline() as pipe:
             while True:
                 try:
                     pipe.watch(key)
-                    raw_state = pipe.hget(key, "state")
+                    raw_state, raw_placement = pipe.hmget(key, ["state", "placement"])
                     if raw_state is None:
                         raise JobNotFoundError(f"no job {job_id!r}")
                     old = JobState(json.loads(raw_state))
+                    if group_id is not None:
+                        _check_group(job_id, raw_placement, group_id)
                     if not can_transition(old, new):
                         raise IllegalTransitionError(f"job {job_id}: {old} -> {new} is not allowed")
                     pipe.multi()
                     pipe.hset(key, mapping=_encode({"state": new, "updated_at": time.time()}))
                     if fields:
                         pipe.hset(key, mapping=_encode(_dump(fields)))
+                    if also is not None:
+                        also(pipe)
                     pipe.execute()
                     break
                 except redis.WatchError:
@@ -93,8 +109,23 @@ class JobStore:
     def set_waiting(self, job_id: str, reason: str) -> None:
         self.conn.hset(keys.job(job_id), "waiting_reason", json.dumps(reason))
 
-    def set_progress(self, job_id: str, progress: Progress) -> None:
-        self.conn.hset(keys.job(job_id), "progress", progress.model_dump_json())
+    def set_progress(self, job_id: str, progress: Progress, group_id: str | None = None) -> None:
+        """Write progress; with `group_id`, only while the job is placed on that group."""
+        if group_id is None:
+            self.conn.hset(keys.job(job_id), "progress", progress.model_dump_json())
+            return
+        key = keys.job(job_id)
+        with self.conn.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    _check_group(job_id, pipe.hget(key, "placement"), group_id)
+                    pipe.multi()
+                    pipe.hset(key, "progress", progress.model_dump_json())
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
 
     def set_tokens(self, job_id: str, tokens: list[int]) -> None:
         self.conn.set(keys.job_tokens(job_id), json.dumps(tokens), ex=self.job_ttl_s)
@@ -118,6 +149,15 @@ class JobStore:
 
     def remove_node(self, name: str) -> None:
         self.conn.delete(keys.node(name))
+
+
+def _check_group(job_id: str, raw_placement: bytes | str | None, group_id: str) -> None:
+    placement = json.loads(raw_placement) if raw_placement is not None else None
+    current = placement.get("group_id") if isinstance(placement, dict) else None
+    if current != group_id:
+        raise StaleGroupError(
+            f"job {job_id} is no longer placed on group {group_id} (now: {current or 'none'})"
+        )
 
 
 def _new_record(job_id: str, spec: JobSpec, now: float) -> JobRecord:

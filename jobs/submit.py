@@ -5,7 +5,7 @@ import uuid
 from collections.abc import Sequence
 
 import redis
-from rq import Queue
+from rq import Queue, Retry
 from rq.queue import EnqueueData
 from rq.serializers import JSONSerializer
 
@@ -14,6 +14,8 @@ from jobs.errors import InvalidJobError
 from jobs.model_catalog import resolve_model
 from jobs.schemas import JobRecord, JobSpec, check_job_id
 from jobs.store import JobStore
+
+ADMIT_TIMEOUT_S = 60  # one admission: tokenising the largest document allowed fits well within
 
 
 def admit_queue(conn: redis.Redis) -> Queue:
@@ -40,10 +42,16 @@ def submit_job(conn: redis.Redis, spec: JobSpec, job_id: str | None = None) -> J
     return record
 
 
-def admit_data(job_id: str) -> EnqueueData:
-    """The dispatcher's RQ job for one ringq job."""
+def admit_data(job_id: str, attempt: str = "") -> EnqueueData:
+    """The dispatcher's RQ job for one ringq job (`attempt` names a later try). Admission is
+    idempotent, so RQ may run it again when a dispatcher died running it (an abandoned job)."""
     return Queue.prepare_data(
-        "jobs.dispatcher.admit_job", (job_id,), job_id=f"admit-{job_id}", result_ttl=3600
+        "jobs.dispatcher.admit_job",
+        (job_id,),
+        job_id=f"admit-{job_id}{attempt}",
+        timeout=ADMIT_TIMEOUT_S,
+        result_ttl=600,
+        retry=Retry(max=3),
     )
 
 

@@ -10,6 +10,7 @@ from typing import Protocol
 from jobs.cancel import cancel_requested, mark_cancelled
 from jobs.errors import IllegalTransitionError
 from jobs.lifecycle import JobState
+from jobs.recovery import report_group_failure
 from jobs.schemas import JobResult, JobSpec, Progress
 from jobs.store import JobStore
 
@@ -25,15 +26,20 @@ class JobIO(Protocol):
     def enter(self, phase: JobState, total: int) -> None: ...
     def progress(self, progress: Progress) -> None: ...
     def finish(self, result: JobResult) -> None: ...
-    def fail(self, reason: str) -> None: ...
+    def fail(self, reason: str, retry: bool = True) -> None: ...
     def should_stop(self) -> bool: ...
     def cancelled(self, reason: str) -> None: ...
 
 
 class RedisJobIO:
-    def __init__(self, store: JobStore, job_id: str):
+    """A rank of group `group_id`: every write is checked to still be that group's job (a rank
+    of a lost group gets StaleGroupError and stops). Failures are reported for the group, and
+    its node agent retries or fails the job (jobs.recovery)."""
+
+    def __init__(self, store: JobStore, job_id: str, group_id: str):
         self.store = store
         self.job_id = job_id
+        self.group_id = group_id
         self._stop = False
         self._polled_at_s = -math.inf
 
@@ -49,22 +55,24 @@ class RedisJobIO:
         processed = total if phase == JobState.DECODE else 0
         progress = Progress(phase=phase, processed=processed, total=total)
         try:
-            self.store.transition(self.job_id, phase, progress=progress)
+            self.store.transition(self.job_id, phase, group_id=self.group_id, progress=progress)
         except IllegalTransitionError:
             if self.store.get(self.job_id).state != JobState.CANCELLED:
                 raise
             log.info("job %s: cancelled, not entering %s", self.job_id, phase)
 
     def progress(self, progress: Progress) -> None:
-        self.store.set_progress(self.job_id, progress)
+        self.store.set_progress(self.job_id, progress, group_id=self.group_id)
 
     def finish(self, result: JobResult) -> None:
         last = self.store.get(self.job_id).progress
         done = Progress(phase=JobState.FINISHED, processed=last.processed, total=last.processed)
-        self.store.transition(self.job_id, JobState.FINISHED, result=result, progress=done)
+        self.store.transition(
+            self.job_id, JobState.FINISHED, group_id=self.group_id, result=result, progress=done
+        )
 
-    def fail(self, reason: str) -> None:
-        self.store.fail(self.job_id, reason)
+    def fail(self, reason: str, retry: bool = True) -> None:
+        report_group_failure(self.store.conn, self.group_id, reason, retry)
 
     def should_stop(self) -> bool:
         """Whether cancel was asked; reads Redis at most every CANCEL_POLL_INTERVAL_S."""
@@ -104,7 +112,7 @@ class FileJobIO:
     def finish(self, result: JobResult) -> None:
         self._write("result", result.model_dump(mode="json"))
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, retry: bool = True) -> None:
         self._write("error", reason)
 
     def should_stop(self) -> bool:

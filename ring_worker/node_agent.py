@@ -1,7 +1,8 @@
 """The node agent: one per machine. Registers the node with a heartbeat, works its RQ command
 queue (no fork) and starts rank processes, fresh interpreters, when the dispatcher asks. It never
-imports MLX. When a rank exits non-zero the agent fails the job and marks the group failed; agents
-kill their ranks of failed groups, so no process is left behind."""
+imports MLX. When a rank exits non-zero the agent reports the group lost (jobs.recovery retries
+or fails its job); agents kill their ranks of failed groups, so no process is left behind. Ranks
+exit by themselves when their agent dies."""
 
 import logging
 import os
@@ -13,15 +14,16 @@ from pathlib import Path
 
 import psutil
 import redis
-from rq import SimpleWorker
-from rq.serializers import JSONSerializer
 
 from jobs import keys
+from jobs.errors import JobNotFoundError
+from jobs.recovery import lose_group
 from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, NodeInfo
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import node_queue
+from jobs.workers import service_worker
 from ring_worker.devices import cuda_memory_bytes, node_backend
 from ring_worker.processes import rank_environment, spawn_rank, terminate_all
 
@@ -82,7 +84,13 @@ class NodeAgent:
             heartbeat_at=time.time(),
         )
 
-    def start_rank(self, group: GroupSpec, rank: int) -> None:
+    def start_rank(self, group: GroupSpec, rank: int) -> bool:
+        """Start one rank, unless its group is already failed or its job has moved on (a command
+        left in the queue of an agent that was down)."""
+        if (why := self.stale(group)) is not None:
+            log.info("job %s rank %d: not started, %s", group.job_id, rank, why)
+            self.reservations.release(group.group_id, self.name)
+            return False
         group_dir = self.scratch / group.group_id
         group_dir.mkdir(parents=True, exist_ok=True)
         spec_path = group_dir / f"group-rank{rank}.json"
@@ -109,6 +117,20 @@ class NodeAgent:
         with self.lock:
             self.ranks.append(RankProcess(group, rank, process, log_path))
         log.info("job %s rank %d: started pid %d on %s", group.job_id, rank, process.pid, self.name)
+        return True
+
+    def stale(self, group: GroupSpec) -> str | None:
+        if self.conn.exists(keys.group_failed(group.group_id)):
+            return "its group already failed"
+        try:
+            record = self.store.get(group.job_id)
+        except JobNotFoundError:
+            return "its job no longer exists"
+        if record.state.is_final or record.placement is None:
+            return f"its job is {record.state}"
+        if record.placement.group_id != group.group_id:
+            return f"its job moved on to group {record.placement.group_id}"
+        return None
 
     def heartbeat_forever(self) -> None:
         while not self.stopping.is_set():
@@ -146,13 +168,14 @@ class NodeAgent:
                 self.fail_group(rp, code)
 
     def fail_group(self, rp: RankProcess, code: int) -> None:
-        reason = f"rank {rp.rank} on node {self.name} exited with code {code}"
-        tail = log_tail(rp.log_path)
-        if tail:
+        """A rank exited non-zero: its group is lost. The rank's own report (if it lived to
+        write one) says why; otherwise its exit status and log do."""
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        reason = f"rank {rp.rank} on node {self.name} {how}"
+        if tail := log_tail(rp.log_path):
             reason += f": {tail}"
-        self.conn.set(keys.group_failed(rp.group.group_id), reason, ex=3600)
-        if self.store.fail(rp.group.job_id, reason):
-            log.warning("job %s failed: %s", rp.group.job_id, reason)
+        outcome = lose_group(self.conn, self.settings, rp.group.job_id, rp.group.group_id, reason)
+        log.warning("job %s: %s (%s)", rp.group.job_id, reason, outcome or "already handled")
 
     def run(self) -> None:
         """Serve until SIGINT/SIGTERM; then stop every rank this agent started."""
@@ -164,12 +187,7 @@ class NodeAgent:
             thread.start()
         global _agent
         _agent = self
-        worker = SimpleWorker(
-            [node_queue(self.conn, self.name)],
-            connection=self.conn,
-            serializer=JSONSerializer,
-            name=f"ringq-node-{self.name}-{os.getpid()}",
-        )
+        worker = service_worker(node_queue(self.conn, self.name), self.conn, f"node-{self.name}")
         try:
             worker.work(logging_level="WARNING")
         finally:
@@ -187,8 +205,8 @@ def start_rank(group: dict, rank: int) -> str:
     if _agent is None:
         raise RuntimeError("start_rank must run inside a node agent")
     spec = GroupSpec.model_validate(group)
-    _agent.start_rank(spec, rank)
-    return f"started rank {rank} of group {spec.group_id}"
+    started = _agent.start_rank(spec, rank)
+    return f"{'started' if started else 'skipped'} rank {rank} of group {spec.group_id}"
 
 
 def log_tail(path: Path) -> str:

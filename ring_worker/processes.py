@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,3 +85,17 @@ def terminate_all(procs: list[subprocess.Popen], grace_s: float = 3.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """Exit this process (code 1) soon after its parent dies: a rank whose node agent or `ringq
+    run` was killed must not keep computing, or hold memory, for a group nobody watches."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log.error("parent process %d is gone; exiting", parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="ringq-exit-with-parent").start()

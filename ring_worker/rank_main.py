@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from jobs.errors import ModelLoadError, RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import ChatTokenizer, load_tokenizer, resolve_model
 from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
@@ -24,6 +25,7 @@ from ring_worker.group import group_backend, join_group
 from ring_worker.job_io import FileJobIO, JobIO, RedisJobIO
 from ring_worker.models import load_for_this_device
 from ring_worker.pipeline import keep_stage
+from ring_worker.processes import exit_with_parent
 from ring_worker.strategies import make_engine
 from ring_worker.watchdog import Watchdog, loading_timeout_s
 
@@ -76,7 +78,10 @@ def start_engine(
     prune = None
     if group.strategy == "pipeline" and len(group.addresses) > 1:
         prune = partial(keep_stage, rank=rank, size=len(group.addresses))
-    model = load_for_this_device(source, prune)
+    try:
+        model = load_for_this_device(source, prune)
+    except (OSError, ValueError, RuntimeError) as exc:  # a new placement would fail the same way
+        raise ModelLoadError(f"cannot load model {group.model}: {exc}") from exc
     tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
     stop_if_cancelled(mx_group, io, "after loading the model")
     engine = make_engine(model, mx_group, group.strategy, group.exchange, group.decode_kv)
@@ -180,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s job={group.job_id} rank={args.rank} %(message)s",
     )
+    exit_with_parent()
     io = make_io(args, group)
     return run_guarded(group, args.rank, io, args.group.parent)
 
@@ -198,6 +204,10 @@ def run_guarded(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path) -> in
         log.info("job %s rank %d: cancelled, %s", group.job_id, rank, exc)
         if rank == 0:
             io.cancelled(f"cancelled: {exc}")
+    except RingqError as exc:  # the job or its model is unusable: another placement won't help
+        log.exception("job %s rank %d failed", group.job_id, rank)
+        io.fail(f"{where}: {exc}", retry=False)
+        return 1
     except Exception as exc:  # process edge: record why, then exit non-zero
         log.exception("job %s rank %d failed", group.job_id, rank)
         io.fail(f"{where}: {type(exc).__name__}: {exc}")
@@ -209,10 +219,12 @@ def run_guarded(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path) -> in
 
 def make_io(args: argparse.Namespace, group: GroupSpec) -> JobIO:
     if args.redis_url:
-        from jobs.redis_server import connect
+        from jobs.redis_server import SERVICE_RIDE_OUT_S, connect
         from jobs.store import JobStore
 
-        return RedisJobIO(JobStore(connect(args.redis_url), get_settings().job_ttl_s), group.job_id)
+        conn = connect(args.redis_url, ride_out_s=SERVICE_RIDE_OUT_S)
+        store = JobStore(conn, get_settings().job_ttl_s)
+        return RedisJobIO(store, group.job_id, group.group_id)
     return FileJobIO(args.job_file, args.events_file)
 
 

@@ -6,7 +6,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import psutil
@@ -90,3 +90,12 @@ def child_pid(cluster, label: str) -> int:
 def rank_log(cluster, placement: Placement, rank: int) -> str:
     path = cluster.settings.home / "logs" / f"{placement.group_id}-rank{rank}.log"
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def rank_pid(group_id: str, rank: int) -> int:
+    for pid in rank_processes(group_id):
+        with suppress(psutil.Error):
+            argv = psutil.Process(pid).cmdline()
+            if argv[argv.index("--rank") + 1] == str(rank):
+                return pid
+    raise AssertionError(f"no rank {rank} process for group {group_id}")

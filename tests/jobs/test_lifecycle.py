@@ -17,6 +17,8 @@ S = JobState
         (S.PREFILL, S.FINISHED, True),  # prefill jobs end after prefill
         (S.DECODE, S.FINISHED, True),
         (S.DECODE, S.PREFILL, False),
+        (S.PREFILL, S.QUEUED, True),  # retry after a lost group
+        (S.DECODE, S.ADMITTED, False),
         (S.LOADING, S.FAILED, True),
         (S.QUEUED, S.CANCELLED, True),
         (S.FINISHED, S.FAILED, False),

@@ -1,0 +1,214 @@
+"""Lost groups and the jobs on them.
+
+A group is lost when one of its ranks dies (an error, kill -9, a stall, a broken link) or one of
+its nodes stops answering. Its job goes back to the admit queue for a new placement, at most
+RINGQ_MAX_RETRIES times, then fails with every reason. Only the first report of a group acts:
+the job's placement names its current group, and every write of a rank or of this module is
+checked against it in the same transaction, so a lost group can never finish or fail a retry.
+
+Node agents report the groups whose ranks they see exit. The reconciler (a thread of every
+dispatcher) finds the rest: groups on nodes that stopped heartbeating, groups whose leases nobody
+renews (ranks never started, agents died), and admissions a crashed dispatcher left behind.
+"""
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+from rq.registry import StartedJobRegistry
+
+from jobs import keys
+from jobs.errors import IllegalTransitionError, JobNotFoundError, StaleGroupError
+from jobs.lifecycle import JobState
+from jobs.schemas import GroupSpec, JobRecord, NodeInfo, Progress
+from jobs.settings import Settings
+from jobs.store import JobStore
+from jobs.submit import admit_data, admit_queue
+
+log = logging.getLogger(__name__)
+GROUP_FAILED_TTL_S = 3600
+RECONCILE_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class GroupFailure:
+    reason: str
+    retry: bool  # False for errors a new placement cannot fix (an unusable model, a bad job)
+
+
+def report_group_failure(conn: redis.Redis, group_id: str, reason: str, retry: bool) -> None:
+    """Record why a group failed (the first report wins); node agents then stop its ranks."""
+    value = json.dumps({"reason": reason, "retry": retry})
+    conn.set(keys.group_failed(group_id), value, nx=True, ex=GROUP_FAILED_TTL_S)
+
+
+def group_failure(conn: redis.Redis, group_id: str) -> GroupFailure | None:
+    raw = conn.get(keys.group_failed(group_id))
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+        return GroupFailure(str(data["reason"]), bool(data["retry"]))
+    except (ValueError, KeyError, TypeError):
+        return GroupFailure(f"group {group_id} failed (unreadable failure record)", False)
+
+
+def lose_group(
+    conn: redis.Redis,
+    settings: Settings,
+    job_id: str,
+    group_id: str,
+    reason: str,
+    retry: bool = True,
+) -> str | None:
+    """Group `group_id` of job `job_id` is gone: stop its ranks, then place the job again or fail
+    it once retries are spent. The first recorded failure's reason is used. Returns "retried",
+    "failed", or None when the job had already moved on (ended, or retried by another caller)."""
+    report_group_failure(conn, group_id, reason, retry)
+    failure = group_failure(conn, group_id) or GroupFailure(reason, retry)
+    conn.hdel(keys.GROUPS_INDEX, group_id)
+    store = JobStore(conn, settings.job_ttl_s)
+    try:
+        record = store.get(job_id)
+        if record.attempt < settings.max_retries and failure.retry:
+            requeue(conn, store, record, group_id, failure.reason)
+            log.warning("job %s: group %s lost, retrying: %s", job_id, group_id, failure.reason)
+            return "retried"
+        store.transition(
+            job_id,
+            JobState.FAILED,
+            group_id=group_id,
+            error=final_reason(record, failure),
+            progress=record.progress.model_copy(update={"phase": JobState.FAILED}),
+        )
+        log.warning("job %s failed: %s", job_id, failure.reason)
+        return "failed"
+    except (StaleGroupError, IllegalTransitionError, JobNotFoundError):
+        return None
+
+
+def requeue(
+    conn: redis.Redis, store: JobStore, record: JobRecord, group_id: str, reason: str
+) -> None:
+    """Back to queued, and a new admission in the same transaction (nothing is left without one)."""
+    attempt = record.attempt + 1
+    retry_admission = admit_data(record.id, f"-attempt{attempt}")
+    store.transition(
+        record.id,
+        JobState.QUEUED,
+        group_id=group_id,
+        also=lambda pipe: admit_queue(conn).enqueue_many([retry_admission], pipeline=pipe),
+        attempt=attempt,
+        retry_reasons=[*record.retry_reasons, reason],
+        placement=None,
+        waiting_reason=f"retry {attempt} after its group was lost: {reason}",
+        progress=Progress(phase=JobState.QUEUED, total=record.progress.total),
+    )
+
+
+def final_reason(record: JobRecord, failure: GroupFailure) -> str:
+    if not record.retry_reasons:
+        return failure.reason
+    earlier = "; ".join(f"{i + 1}: {r}" for i, r in enumerate(record.retry_reasons))
+    return f"{failure.reason} (after {len(record.retry_reasons)} retries; earlier: {earlier})"
+
+
+def retry_delay_s(settings: Settings) -> float:
+    """How long a retried job waits before placement: long enough for a dead node to go stale,
+    so the new placement avoids it."""
+    return stale_after_s(settings) + settings.node_heartbeat_s
+
+
+def stale_after_s(settings: Settings) -> float:
+    """A node whose last heartbeat is older than this is treated as gone."""
+    return min(settings.node_ttl_s, 2 * settings.node_heartbeat_s + 1)
+
+
+def fresh_nodes(nodes: list[NodeInfo], settings: Settings) -> list[NodeInfo]:
+    now = time.time()
+    return [n for n in nodes if now - n.heartbeat_at <= stale_after_s(settings)]
+
+
+def track_group(conn: redis.Redis, group: GroupSpec) -> None:
+    """Watch a group from admission on (the reconciler drops it once its job moves on)."""
+    entry = {"group": group.model_dump(mode="json"), "admitted_at": time.time()}
+    conn.hset(keys.GROUPS_INDEX, group.group_id, json.dumps(entry))
+
+
+def reconcile(conn: redis.Redis, settings: Settings) -> list[str]:
+    """One pass; returns the ids of the groups it found lost."""
+    # Admissions whose dispatcher died mid-job: RQ retries them (admission is idempotent).
+    StartedJobRegistry(queue=admit_queue(conn)).cleanup()
+    store = JobStore(conn, settings.job_ttl_s)
+    live = {n.name for n in fresh_nodes(store.live_nodes(), settings)}
+    lost = []
+    for raw_id, raw in conn.hgetall(keys.GROUPS_INDEX).items():
+        group_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+        entry = json.loads(raw)
+        group = GroupSpec.model_validate(entry["group"])
+        try:
+            record = store.get(group.job_id)
+        except JobNotFoundError:
+            conn.hdel(keys.GROUPS_INDEX, group_id)
+            continue
+        if (
+            record.state.is_final
+            or record.placement is None
+            or (record.placement.group_id != group_id)
+        ):
+            conn.hdel(keys.GROUPS_INDEX, group_id)
+            continue
+        reason = why_lost(conn, settings, group, live, entry["admitted_at"])
+        if reason is not None:
+            lose_group(conn, settings, group.job_id, group_id, reason)
+            lost.append(group_id)
+    return lost
+
+
+def why_lost(
+    conn: redis.Redis, settings: Settings, group: GroupSpec, live: set[str], admitted_at: float
+) -> str | None:
+    dead = sorted(set(group.nodes) - live)
+    if dead:
+        return (
+            f"node {', '.join(dead)} stopped answering (no heartbeat for "
+            f"{stale_after_s(settings):g} s) while it ran the job's group"
+        )
+    now = time.time()
+    if now - admitted_at < settings.reservation_lease_s:
+        return None
+    leases = [conn.zscore(keys.node_leases(n), group.group_id) for n in set(group.nodes)]
+    if not any(lease is not None and lease > now for lease in leases):
+        return (
+            f"no node agent renewed the group's lease for {settings.reservation_lease_s:g} s "
+            "(its ranks never started or exited without a word)"
+        )
+    return None
+
+
+class Reconciler:
+    """reconcile() every RECONCILE_INTERVAL_S in a daemon thread; Redis errors are logged."""
+
+    def __init__(self, conn: redis.Redis, settings: Settings):
+        self.conn, self.settings = conn, settings
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="ringq-reconciler")
+
+    def start(self) -> "Reconciler":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _run(self) -> None:
+        while not self.stopping.wait(RECONCILE_INTERVAL_S):
+            try:
+                reconcile(self.conn, self.settings)
+            except redis.RedisError as exc:
+                log.warning("reconciler: %s", exc)
+            except Exception:  # the dispatcher outlives any one bad record
+                log.exception("reconciler pass failed")

@@ -1,0 +1,201 @@
+"""Lost groups against a real Redis: retries, their bound, fencing of stale ranks, and the
+reconciler's checks (dead nodes, unrenewed leases). The kills of real processes that lead here
+are in test_crash_recovery.py."""
+
+import json
+import time
+
+import pytest
+
+from jobs import keys
+from jobs.errors import StaleGroupError
+from jobs.lifecycle import JobState
+from jobs.recovery import lose_group, reconcile, report_group_failure, track_group
+from jobs.reservations import Reservations
+from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, NodeInfo, Placement, Progress
+from jobs.settings import Settings
+from jobs.store import JobStore
+from ring_worker.job_io import RedisJobIO
+
+
+@pytest.fixture
+def settings(short_tmp_path) -> Settings:
+    return Settings(home=short_tmp_path, redis_url=None, max_retries=2, reservation_lease_s=5)
+
+
+@pytest.fixture
+def store(redis_conn) -> JobStore:
+    return JobStore(redis_conn)
+
+
+def place(store: JobStore, job_id: str, group_id: str, nodes=("n0", "n1")) -> GroupSpec:
+    """What the dispatcher does at admission, minus the ranks."""
+    store.transition(
+        job_id,
+        JobState.ADMITTED,
+        placement=Placement(
+            strategy="ring",
+            ring_size=len(nodes),
+            nodes=list(nodes),
+            group_id=group_id,
+            bytes_per_node=1,
+        ),
+        progress=Progress(phase=JobState.ADMITTED, total=10),
+    )
+    group = GroupSpec(
+        group_id=group_id,
+        job_id=job_id,
+        model="random:tiny-llama",
+        nodes=list(nodes),
+        addresses=[f"127.0.0.1:{30000 + i}" for i in range(len(nodes))],
+        chunk_tokens=64,
+    )
+    track_group(store.conn, group)
+    return group
+
+
+def new_job(store: JobStore, job_id: str = "j1") -> str:
+    store.create(job_id, JobSpec(kind=JobKind.PREFILL, document="x", model="random:tiny-llama"))
+    return job_id
+
+
+def admissions(store: JobStore) -> list[str]:
+    from jobs.submit import admit_queue
+
+    return admit_queue(store.conn).job_ids
+
+
+def test_a_lost_group_requeues_its_job_with_a_new_admission(store, settings):
+    job = new_job(store)
+    place(store, job, "g1")
+    assert lose_group(store.conn, settings, job, "g1", "rank 1 was killed by signal 9") == "retried"
+    record = store.get(job)
+    assert record.state == JobState.QUEUED and record.placement is None
+    assert record.attempt == 1 and record.retry_reasons == ["rank 1 was killed by signal 9"]
+    assert "retry 1" in (record.waiting_reason or "")
+    assert admissions(store) == [f"admit-{job}-attempt1"]
+    assert store.conn.exists(keys.group_failed("g1"))  # its agents stop the group's other ranks
+    # a second report of the same group (another agent, the reconciler) changes nothing
+    assert lose_group(store.conn, settings, job, "g1", "rank 0 exited with code 1") is None
+    assert store.get(job).attempt == 1 and len(admissions(store)) == 1
+
+
+def test_retries_are_bounded_and_the_failure_keeps_every_reason(store, settings):
+    job = new_job(store)
+    for attempt, group in enumerate(["g1", "g2", "g3"]):
+        if attempt:
+            store.transition(job, JobState.ADMITTED)  # the dispatcher places the retry
+        place_again = place if not attempt else place_retry
+        place_again(store, job, group)
+        lose_group(store.conn, settings, job, group, f"link down #{attempt}")
+    final = store.get(job)
+    assert final.state == JobState.FAILED and final.attempt == 2
+    assert final.error is not None and final.error.startswith("link down #2")
+    assert "link down #0" in final.error and "link down #1" in final.error
+
+
+def place_retry(store: JobStore, job_id: str, group_id: str) -> None:
+    record = store.get(job_id)
+    placement = Placement(
+        strategy="single", ring_size=1, nodes=["n0"], group_id=group_id, bytes_per_node=1
+    )
+    store.conn.hset(keys.job(job_id), "placement", placement.model_dump_json())
+    assert record.state == JobState.ADMITTED
+
+
+def test_a_failure_no_placement_can_fix_is_not_retried(store, settings):
+    job = new_job(store)
+    place(store, job, "g1")
+    report_group_failure(store.conn, "g1", "rank 0: cannot load model m: truncated", retry=False)
+    assert lose_group(store.conn, settings, job, "g1", "rank 0 exited with code 1") == "failed"
+    final = store.get(job)
+    assert (
+        final.state == JobState.FAILED and final.error == "rank 0: cannot load model m: truncated"
+    )
+    assert admissions(store) == []
+
+
+def test_ranks_of_a_lost_group_cannot_touch_its_retry(store, settings):
+    job = new_job(store)
+    place(store, job, "g1")
+    stale = RedisJobIO(store, job, "g1")
+    stale.enter(JobState.LOADING, 10)
+    lose_group(store.conn, settings, job, "g1", "node n1 stopped answering")
+    store.transition(job, JobState.ADMITTED)
+    place_retry(store, job, "g2")
+    result = JobResult(
+        prompt_tokens=10,
+        generated_tokens=0,
+        prompt_tps=1.0,
+        generation_tps=0.0,
+        load_s=0.0,
+        prefill_s=1.0,
+        decode_s=0.0,
+        peak_memory_bytes=[1],
+    )
+    with pytest.raises(StaleGroupError, match="no longer placed on group g1"):
+        stale.progress(Progress(phase=JobState.PREFILL, processed=5, total=10))
+    with pytest.raises(StaleGroupError):
+        stale.enter(JobState.PREFILL, 10)
+    with pytest.raises(StaleGroupError):
+        stale.finish(result)
+    current = RedisJobIO(store, job, "g2")
+    current.enter(JobState.LOADING, 10)
+    current.enter(JobState.PREFILL, 10)
+    current.finish(result)
+    assert store.get(job).state == JobState.FINISHED
+
+
+def put_node(store: JobStore, name: str, heartbeat_at: float | None = None) -> None:
+    now = time.time()
+    store.put_node(
+        NodeInfo(
+            name=name,
+            backend="cpu",
+            memory_bytes=2**30,
+            available_bytes=2**30,
+            address="127.0.0.1",
+            pid=1,
+            started_at=now,
+            heartbeat_at=heartbeat_at or now,
+        ),
+        ttl_s=60,
+    )
+
+
+def test_the_reconciler_retries_a_group_on_a_node_that_stopped_heartbeating(store, settings):
+    job = new_job(store)
+    place(store, job, "g1")
+    put_node(store, "n0")
+    put_node(store, "n1", heartbeat_at=time.time() - 60)  # its agent was killed a minute ago
+    assert reconcile(store.conn, settings) == ["g1"]
+    record = store.get(job)
+    assert (
+        record.state == JobState.QUEUED and "node n1 stopped answering" in record.retry_reasons[0]
+    )
+    assert store.conn.hlen(keys.GROUPS_INDEX) == 0
+
+
+def test_the_reconciler_retries_a_group_whose_lease_nobody_renews(store, settings):
+    job = new_job(store)
+    group = place(store, job, "g1")
+    put_node(store, "n0")
+    put_node(store, "n1")
+    reservations = Reservations(store.conn, lease_s=settings.reservation_lease_s)
+    reservations.reserve("g1", {"n0": (1, 10), "n1": (1, 10)})
+    assert reconcile(store.conn, settings) == []  # just admitted, lease fresh
+    entry = {"group": group.model_dump(mode="json"), "admitted_at": time.time() - 60}
+    store.conn.hset(keys.GROUPS_INDEX, "g1", json.dumps(entry))
+    assert reconcile(store.conn, settings) == []  # the lease is still live: ranks are running
+    for node in ("n0", "n1"):  # the agents stop renewing (they died with their ranks)
+        store.conn.zadd(keys.node_leases(node), {"g1": time.time() - 1})
+    assert reconcile(store.conn, settings) == ["g1"]
+    assert "no node agent renewed" in store.get(job).retry_reasons[0]
+
+
+def test_the_reconciler_forgets_groups_whose_job_ended(store, settings):
+    job = new_job(store)
+    place(store, job, "g1")
+    store.fail(job, "done with it")
+    assert reconcile(store.conn, settings) == []
+    assert store.conn.hlen(keys.GROUPS_INDEX) == 0
