@@ -29,6 +29,7 @@ from jobs.schemas import GroupSpec, JobKind, JobRecord, JobSpec, NodeInfo, Place
 from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
 from jobs.submit import admit_data, admit_queue, node_queue
+from jobs.warm_groups import WarmGroups
 from jobs.workers import service_worker
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,13 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         kv_layout=settings.decode_kv,
     )
     reservations = Reservations(conn, settings.reservation_lease_s)
+    warm = WarmGroups(conn)
+    idle = warm.idle() if settings.group_idle_s > 0 else []
     free = [capacity(n, reservations.reserved_bytes(n.name)) for n in nodes]
+    if idle:
+        store.set_tokens(job_id, tokens)  # before a warm group's rank 0 can read them
+        if done := try_warm(conn, store, job_id, settings, shape, request, nodes, idle):
+            return done
     try:
         plan = plan_placement(shape, request, free)
     except CannotPlace as busy:
@@ -86,6 +93,8 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
             plan_placement(shape, request, [capacity(n) for n in nodes])
         except CannotPlace as never:
             raise AdmissionError(str(never)) from None
+        if asked := warm.evict(group for group, _ in idle):
+            log.info("job %s: asked idle groups %s to make way", job_id, asked)
         reason = f"waiting for memory that running groups hold: {busy}"
         store.set_tokens(job_id, tokens)  # a retry need not tokenise again
         return wait(conn, store, job_id, settings, reason)
@@ -112,6 +121,69 @@ def serve(conn: redis.Redis, settings: Settings) -> None:
         reconciler.stop()
 
 
+def try_warm(
+    conn: redis.Redis,
+    store: JobStore,
+    job_id: str,
+    settings: Settings,
+    shape: ModelShape,
+    request: PlacementRequest,
+    nodes: list[NodeInfo],
+    idle: list[tuple[GroupSpec, int]],
+) -> str | None:
+    """Give the job to an idle group with the layout it would get if idle groups made way and
+    the same model and settings, growing the group's reservation if the job needs more. None
+    when there is no such group."""
+    spec = store.get(job_id).spec
+    freed = {group.group_id: held for group, held in idle}
+    reservations = Reservations(conn, settings.reservation_lease_s)
+    by_name = {n.name: n for n in nodes}
+    idle_held = {n.name: sum(held for g, held in idle if n.name in g.nodes) for n in nodes}
+    free = [capacity(n, reservations.reserved_bytes(n.name) - idle_held[n.name]) for n in nodes]
+    try:
+        plan = plan_placement(shape, request, free)
+    except CannotPlace:
+        return None
+    for group, held in idle:
+        same = (
+            group.model == spec.model
+            and group.strategy == plan.layout.strategy
+            and len(group.nodes) == plan.layout.size
+            and group.decode_kv == plan.layout.kv_layout
+            and group.chunk_tokens == settings.prefill_chunk_tokens
+            and group.exchange == choose_exchange(settings, [by_name[n] for n in group.nodes])
+            if all(n in by_name for n in group.nodes)
+            else False
+        )
+        if not same:
+            continue
+        if held < plan.bytes_per_node:  # grow its reservation, or leave it be
+            needs = {n: (plan.bytes_per_node, by_name[n].memory_bytes) for n in group.nodes}
+            if reservations.reserve(group.group_id, needs) is not None:
+                continue
+            freed[group.group_id] = plan.bytes_per_node
+        placement = Placement(
+            strategy=group.strategy,
+            kv_layout=group.decode_kv,
+            ring_size=len(group.nodes),
+            nodes=list(group.nodes),
+            group_id=group.group_id,
+            bytes_per_node=freed[group.group_id],
+            warm=True,
+        )
+        progress = Progress(phase=JobState.ADMITTED, total=request.prompt_tokens)
+        store.transition(
+            job_id, JobState.ADMITTED, placement=placement, progress=progress, waiting_reason=None
+        )
+        if WarmGroups(conn).claim(group, job_id):
+            track_group(conn, group.model_copy(update={"job_id": job_id}))
+            log.info("job %s admitted to warm group %s", job_id, group.group_id)
+            return "admitted (warm)"
+        # another dispatcher took it, or it just retired: back to queued, try the next
+        store.transition(job_id, JobState.QUEUED, placement=None)
+    return None
+
+
 def hand_over(
     conn: redis.Redis,
     store: JobStore,
@@ -134,6 +206,7 @@ def hand_over(
         strategy=plan.layout.strategy,
         exchange=choose_exchange(settings, [by_name[name] for name in plan.nodes]),
         decode_kv=plan.layout.kv_layout,
+        idle_s=settings.group_idle_s,
     )
     store.set_tokens(job_id, tokens)
     placement = Placement(

@@ -138,8 +138,28 @@ def track_group(conn: redis.Redis, group: GroupSpec) -> None:
     conn.hset(keys.GROUPS_INDEX, group.group_id, json.dumps(entry))
 
 
+def current_job(conn: redis.Redis, group_id: str, default: str) -> str:
+    """The job a group runs now: a warm group runs one job after another."""
+    raw = conn.hget(keys.GROUPS_INDEX, group_id)
+    return str(json.loads(raw)["group"]["job_id"]) if raw else default
+
+
+def has_live_lease(conn: redis.Redis, group: GroupSpec) -> bool:
+    now = time.time()
+    leases = [conn.zscore(keys.node_leases(n), group.group_id) for n in set(group.nodes)]
+    return any(lease is not None and lease > now for lease in leases)
+
+
+def forget_dead_warm_groups(conn: redis.Redis) -> None:
+    for raw_id, raw in conn.hgetall(keys.WARM_GROUPS).items():
+        group = GroupSpec.model_validate(json.loads(raw)["group"])
+        if conn.exists(keys.group_failed(group.group_id)) or not has_live_lease(conn, group):
+            conn.hdel(keys.WARM_GROUPS, raw_id)
+
+
 def reconcile(conn: redis.Redis, settings: Settings) -> list[str]:
     """One pass; returns the ids of the groups it found lost."""
+    forget_dead_warm_groups(conn)
     # Admissions whose dispatcher died mid-job: RQ retries them (admission is idempotent).
     StartedJobRegistry(queue=admit_queue(conn)).cleanup()
     store = JobStore(conn, settings.job_ttl_s)
@@ -180,8 +200,7 @@ def why_lost(
     now = time.time()
     if now - admitted_at < settings.reservation_lease_s:
         return None
-    leases = [conn.zscore(keys.node_leases(n), group.group_id) for n in set(group.nodes)]
-    if not any(lease is not None and lease > now for lease in leases):
+    if not has_live_lease(conn, group):
         return (
             f"no node agent renewed the group's lease for {settings.reservation_lease_s:g} s "
             "(its ranks never started or exited without a word)"

@@ -15,7 +15,8 @@ from admission.placement import gib
 from jobs import keys
 
 # KEYS: reserved hash, leases zset for each node. ARGV: now, expiry, group, then need and
-# capacity per node. Purges expired leases, then reserves on every node or on none.
+# capacity per node. Purges expired leases, then reserves on every node or on none. A group that
+# holds bytes already is resized (a warm group taking a larger job).
 _RESERVE = """
 local now, expiry, group = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local nodes = #KEYS / 2
@@ -34,7 +35,7 @@ for i = 1, nodes do
   local reserved, leases = KEYS[2 * i - 1], KEYS[2 * i]
   purge(reserved, leases)
   local need, capacity = tonumber(ARGV[2 + 2 * i]), tonumber(ARGV[3 + 2 * i])
-  local used = total(reserved)
+  local used = total(reserved) - tonumber(redis.call('HGET', reserved, group) or 0)
   if used + need > capacity then return {0, i, used} end
 end
 for i = 1, nodes do

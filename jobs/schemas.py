@@ -90,6 +90,7 @@ class Placement(_Message):
     nodes: list[str]
     group_id: str
     bytes_per_node: int
+    warm: bool = False  # ran on a group that was already loaded (a previous job's)
 
 
 class JobResult(_Message):
@@ -102,6 +103,7 @@ class JobResult(_Message):
     prefill_s: float
     decode_s: float
     peak_memory_bytes: list[int]
+    prefill_started_at: float | None = None  # unix time; minus the job's created_at: its wait
 
 
 class JobRecord(_Message):
@@ -165,6 +167,7 @@ class GroupSpec(_Message):
     strategy: Literal["single", "ring", "pipeline"] = "ring"
     exchange: Literal["rotate", "allgather"] = "rotate"  # how ring ranks share K/V blocks
     decode_kv: Literal["replicated", "sharded"] = "replicated"  # KV layout after a ring prefill
+    idle_s: float = 0.0  # after its job, the group waits this long for another (warm groups)
 
 
 def check_job_id(job_id: str) -> str:

@@ -69,6 +69,12 @@ class Settings(BaseSettings):
         description="How often a job whose group was lost (a rank or node died, a link broke, a "
         "stall) is placed again before it fails.",
     )
+    group_idle_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="A group whose job finished stays loaded this long for the next job of the "
+        "same model and layout (0: every job starts and loads a group of its own).",
+    )
     allowed_dirs: list[Path] | None = Field(
         default=None,
         description="Directories services may read models (and other files) from, as a JSON "

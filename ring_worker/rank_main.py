@@ -19,6 +19,7 @@ from jobs.lifecycle import JobState
 from jobs.model_catalog import ChatTokenizer, load_tokenizer, resolve_model
 from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
 from jobs.settings import get_settings
+from jobs.warm_groups import WarmGroups
 from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
 from ring_worker.group import group_backend, join_group
@@ -31,20 +32,44 @@ from ring_worker.watchdog import Watchdog, loading_timeout_s
 
 log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.25
+IDLE_GRACE_S = 60.0  # a warm group's ranks wait this much longer than its idle time
 
 
-def run_rank(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path, watchdog: Watchdog) -> None:
-    lead = rank == 0
+def serve(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path, watchdog: Watchdog) -> None:
+    """Load once and run the group's job; a warm group (group.idle_s > 0) then runs the jobs the
+    dispatcher gives it, until it has been idle that long."""
     started = time.perf_counter()
-    spec, tokens = io.spec(), io.tokens()
-    if lead:
-        io.enter(JobState.LOADING, len(tokens))
+    if rank == 0:
+        io.enter(JobState.LOADING, len(io.tokens()))
     engine, tokenizer = start_engine(group, rank, io, scratch_dir)
     load_s = time.perf_counter() - started
     log.info("job %s rank %d: loaded %s in %.1fs", io.job_id, rank, group.model, load_s)
+    job: JobIO | None = io
+    while job is not None:
+        try:
+            run_job(engine, tokenizer, group, rank, job, watchdog, load_s)
+        except Cancelled as exc:  # every rank stops this job together; the group lives on
+            log.info("job %s rank %d: cancelled, %s", job.job_id, rank, exc)
+            if rank == 0:
+                job.cancelled(f"cancelled: {exc}")
+        load_s = 0.0
+        job = next_job(group, rank, job, watchdog)
 
+
+def run_job(
+    engine: Engine,
+    tokenizer: ChatTokenizer,
+    group: GroupSpec,
+    rank: int,
+    io: JobIO,
+    watchdog: Watchdog,
+    load_s: float,
+) -> None:
+    lead = rank == 0
+    spec, tokens = io.spec(), io.tokens()
     report = kicking(watchdog, throttled(io, lead))
     enter(io, lead, watchdog, JobState.PREFILL, len(tokens))
+    prefill_started_at = time.time()
     prefill = engine.prefill(
         tokens, group.chunk_tokens, on_progress=report, should_stop=io.should_stop
     )
@@ -62,8 +87,29 @@ def run_rank(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path, watchdog
     watchdog.kick("finishing")
     peaks = engine.gather_ints(mx.get_peak_memory())
     if lead:
-        io.finish(job_result(spec, tokenizer, len(tokens), load_s, prefill, decoded, peaks))
+        result = job_result(spec, tokenizer, len(tokens), load_s, prefill, decoded, peaks)
+        io.finish(result.model_copy(update={"prefill_started_at": prefill_started_at}))
     log.info("job %s rank %d: done", io.job_id, rank)
+
+
+def next_job(group: GroupSpec, rank: int, io: JobIO, watchdog: Watchdog) -> JobIO | None:
+    """A warm group's next job (jobs.warm_groups): every rank waits in Redis for the dispatcher's
+    word, all get the same. None: the group retires."""
+    if group.idle_s <= 0 or not isinstance(io, RedisJobIO):
+        return None
+    watchdog.kick("idle", group.idle_s + IDLE_GRACE_S)
+    warm = WarmGroups(io.store.conn)
+    if rank == 0:
+        placement = io.store.get(io.job_id).placement
+        warm.offer(group, placement.bytes_per_node if placement else 0)
+    job_id = warm.wait_for_job(group, rank, group.idle_s, kick=watchdog.kick)
+    if job_id is None:
+        log.info("group %s rank %d: idle for %g s, retiring", group.group_id, rank, group.idle_s)
+        return None
+    job = RedisJobIO(io.store, job_id, group.group_id)
+    if rank == 0:
+        job.enter(JobState.LOADING, len(job.tokens()))  # already loaded: straight through
+    return job
 
 
 def start_engine(
@@ -199,8 +245,8 @@ def run_guarded(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path) -> in
         group.job_id, rank, stall_timeout_s, on_stall=lambda reason: io.fail(f"{where}: {reason}")
     ).start("loading", loading_timeout_s(stall_timeout_s))
     try:
-        run_rank(group, rank, io, scratch_dir, watchdog)
-    except Cancelled as exc:
+        serve(group, rank, io, scratch_dir, watchdog)
+    except Cancelled as exc:  # before the model was loaded
         log.info("job %s rank %d: cancelled, %s", group.job_id, rank, exc)
         if rank == 0:
             io.cancelled(f"cancelled: {exc}")

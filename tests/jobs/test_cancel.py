@@ -38,7 +38,11 @@ from tests.helpers import (
 
 @pytest.fixture(scope="module")
 def cancel_cluster() -> Iterator[LocalCluster]:
-    env = {"RINGQ_PREFILL_CHUNK_TOKENS": "128", "RINGQ_RANK_PORT_BASE": "31200"}
+    env = {
+        "RINGQ_PREFILL_CHUNK_TOKENS": "128",
+        "RINGQ_RANK_PORT_BASE": "31200",
+        "RINGQ_GROUP_IDLE_S": "0",  # groups end with their job (test_warm_groups keeps them)
+    }
     with private_cluster("cancel", env) as running:
         yield running
 

@@ -30,6 +30,7 @@ def small_cluster():
         "RINGQ_NODE_MEMORY_LIMIT_GIB": NODE_BUDGET_GIB,
         "RINGQ_PREFILL_CHUNK_TOKENS": "64",
         "RINGQ_RANK_PORT_BASE": "32200",
+        "RINGQ_GROUP_IDLE_S": "2",  # the groups retire soon after, freeing their memory
     }
     with private_cluster("budget", env) as running:
         yield running

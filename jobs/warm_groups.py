@@ -1,0 +1,126 @@
+"""Warm groups: a group whose job finished stays loaded for RINGQ_GROUP_IDLE_S, and the next job
+for the same model and layout runs on it: no processes to start, no weights to load.
+
+In Redis, `ringq:warm` maps a group id to the group (JSON) while it may take jobs. Its rank 0
+keeps `group:{id}:idle` alive (a short TTL) exactly while it waits. Every rank blocks on its own
+list `group:{id}:next:{rank}` (in Redis, not in a collective: MLX's ring backend spins a core
+while it waits). The dispatcher claims an idle group by deleting the idle key and pushing the job
+id to every rank's list in one script; rank 0 retires the group the same way, so a group never
+gets a job after it retired, nor two at once, and every rank sees the same words in the same
+order. An empty word asks the group to retire (idle too long, or its memory is wanted by a job
+of another shape).
+"""
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import redis
+
+from jobs import keys
+from jobs.schemas import GroupSpec
+
+log = logging.getLogger(__name__)
+IDLE_KEY_TTL_S = 5
+RANK_GRACE_S = 30.0  # ranks other than 0 wait this much longer than the idle time
+RETIRE = ""  # pushed instead of a job id: retire now
+
+# KEYS: idle, then each rank's list. ARGV: word. Claims the group if it is idle.
+_CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('DEL', KEYS[1])
+for i = 2, #KEYS do redis.call('RPUSH', KEYS[i], ARGV[1]) end
+return 1
+"""
+# KEYS: idle, rank 0's list. ARGV: ttl. Rank 0 waiting: stay claimable, unless a word is pending.
+_REFRESH = """
+if redis.call('LLEN', KEYS[2]) == 0 then redis.call('SET', KEYS[1], '1', 'EX', ARGV[1]) end
+return 1
+"""
+# KEYS: idle, warm index, then each rank's list. ARGV: group id. Rank 0 idle too long: retire
+# (telling the other ranks) unless a word was pushed meanwhile (returned).
+_RETIRE = """
+local pending = redis.call('LPOP', KEYS[3])
+if pending then return pending end
+redis.call('DEL', KEYS[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+for i = 4, #KEYS do redis.call('RPUSH', KEYS[i], '') end
+return false
+"""
+
+
+def idle_key(group_id: str) -> str:
+    return f"{keys.PREFIX}:group:{group_id}:idle"
+
+
+def next_key(group_id: str, rank: int) -> str:
+    return f"{keys.PREFIX}:group:{group_id}:next:{rank}"
+
+
+def next_keys(group: GroupSpec) -> list[str]:
+    return [next_key(group.group_id, rank) for rank in range(len(group.nodes))]
+
+
+class WarmGroups:
+    def __init__(self, conn: redis.Redis):
+        self.conn = conn
+        self._claim = conn.register_script(_CLAIM)
+        self._refresh = conn.register_script(_REFRESH)
+        self._retire = conn.register_script(_RETIRE)
+
+    # -- the dispatcher's side
+
+    def idle(self) -> list[tuple[GroupSpec, int]]:
+        """Groups waiting for a job now, with the bytes each holds per node."""
+        entries = self.conn.hgetall(keys.WARM_GROUPS)
+        found = []
+        for raw in entries.values():
+            entry = json.loads(raw)
+            group = GroupSpec.model_validate(entry["group"])
+            if self.conn.exists(idle_key(group.group_id)):
+                found.append((group, int(entry["bytes_per_node"])))
+        return found
+
+    def claim(self, group: GroupSpec, job_id: str) -> bool:
+        keys_ = [idle_key(group.group_id), *next_keys(group)]
+        return bool(self._claim(keys=keys_, args=[job_id]))
+
+    def evict(self, groups: Iterable[GroupSpec]) -> list[str]:
+        """Ask idle groups to retire now (their memory is wanted); returns those asked."""
+        return [g.group_id for g in groups if self.claim(g, RETIRE)]
+
+    # -- rank 0's side
+
+    def offer(self, group: GroupSpec, bytes_per_node: int) -> None:
+        entry = {"group": group.model_dump(mode="json"), "bytes_per_node": bytes_per_node}
+        self.conn.hset(keys.WARM_GROUPS, group.group_id, json.dumps(entry))
+
+    def wait_for_job(
+        self, group: GroupSpec, rank: int, idle_s: float, kick: Callable[[], None] = lambda: None
+    ) -> str | None:
+        """A rank after a job: the next job id the dispatcher gives its group, or None once the
+        group retires (rank 0 retires it after `idle_s` without a job; the other ranks wait
+        for rank 0's word, a little longer in case rank 0 died)."""
+        own = next_key(group.group_id, rank)
+        give_up = time.monotonic() + idle_s + (0 if rank == 0 else RANK_GRACE_S)
+        while True:
+            if rank == 0:
+                self._refresh(keys=[idle_key(group.group_id), own], args=[IDLE_KEY_TTL_S])
+            popped = self.conn.blpop([own], timeout=1)
+            kick()
+            word: bytes | str | None = popped[1] if popped is not None else None
+            if word is None and time.monotonic() >= give_up:
+                if rank != 0:
+                    return None
+                keys_ = [idle_key(group.group_id), keys.WARM_GROUPS, *next_keys(group)]
+                word = self._retire(keys=keys_, args=[group.group_id])
+                if word is None:
+                    return None
+            if word is not None:
+                job_id = word.decode() if isinstance(word, bytes) else str(word)
+                if job_id == RETIRE:
+                    if rank == 0:
+                        self.conn.hdel(keys.WARM_GROUPS, group.group_id)
+                    return None
+                return job_id
