@@ -85,7 +85,7 @@ def summary(rows: list[dict]) -> dict:
 def main(model: str, count: int, sharding: str) -> None:
     warm = run_jobs(model, count, 60.0, Sharding(sharding))
     cold = run_jobs(model, count, 0.0, Sharding(sharding))
-    result = {
+    result: dict = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(["bench/warm_groups.py", *sys.argv[1:]]),
         "model": model,

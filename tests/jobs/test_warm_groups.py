@@ -55,6 +55,7 @@ def generate(model, document: str = "The quick brown fox. " * 60) -> JobSpec:
 
 
 def retired(store: JobStore, record: JobRecord) -> bool:
+    assert record.placement is not None
     group_id = record.placement.group_id
     reservations = Reservations(store.conn, lease_s=30)
     return (
