@@ -179,6 +179,8 @@ def soak(count: int, sample_s: float) -> None:
         pending = {job.id for job in jobs}
         while pending:
             rss = {label: proc.memory_info().rss for label, proc in services.items()}
+            ranks = rank_rss(cluster)
+            rss["ranks_max"] = max(ranks, default=0)
             pending = {j for j in pending if not store.get(j).state.is_final}
             samples.append({"t_s": time.monotonic() - started, "done": count - len(pending), **rss})
             print(
@@ -193,10 +195,11 @@ def soak(count: int, sample_s: float) -> None:
     growth = {
         label: {
             "first_mib": samples[0][label] / 2**20,
+            "after_10pct_mib": samples[len(samples) // 10][label] / 2**20,
             "max_mib": max(s[label] for s in samples) / 2**20,
             "last_mib": samples[-1][label] / 2**20,
         }
-        for label in services
+        for label in [*services, "ranks_max"]
     }
     summary = {
         "jobs": count,
@@ -205,6 +208,16 @@ def soak(count: int, sample_s: float) -> None:
         "rss": growth,
     }
     report("soak", summary, samples)
+
+
+def rank_rss(cluster: LocalCluster) -> list[int]:
+    """RSS of this cluster's rank processes (warm groups live through many jobs)."""
+    home, found = str(cluster.settings.home), []
+    for proc in psutil.process_iter(["cmdline", "memory_info"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "ring_worker.rank_main" in cmdline and home in cmdline:
+            found.append(proc.info["memory_info"].rss)
+    return found
 
 
 def report(name: str, summary: dict, details: list) -> None:

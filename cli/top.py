@@ -9,6 +9,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from admission.placement import gib
 from cli.common import echo_json, redis_connection
 from cli.render import format_eta, nodes_table, placement_text
 from jobs.overview import Overview, QueueRow, RunningJob, take_overview
@@ -26,7 +27,8 @@ from jobs.overview import Overview, QueueRow, RunningJob, take_overview
     help="Seconds between refreshes.",
 )
 def top(once: bool, as_json: bool, interval_s: float) -> None:
-    """Live view of the service: RQ queue lengths, live nodes, running jobs (Ctrl-C quits)."""
+    """Live view of the service: RQ queues, live nodes, running jobs, idle warm groups (Ctrl-C
+    quits)."""
     conn = redis_connection()
     if as_json:
         echo_json(take_overview(conn).model_dump(mode="json"))
@@ -60,8 +62,16 @@ def render_overview(overview: Overview) -> Group:
     running.title = f"running jobs: {len(overview.running)}"
     nodes = nodes_table(overview.nodes, overview.reserved_bytes)
     nodes.title = f"live nodes: {len(overview.nodes)}"
+    idle = Table("group", "model", "strategy", "nodes", "reserved / node")
+    idle.title = f"idle warm groups: {len(overview.idle_groups)}"
+    for g in overview.idle_groups:
+        idle.add_row(g.group_id, g.model, g.strategy, ", ".join(g.nodes), gib(g.bytes_per_node))
     return Group(
-        f"[bold]ringq top[/bold]  [dim]{stamp}[/dim]", queues_table(overview.queues), nodes, running
+        f"[bold]ringq top[/bold]  [dim]{stamp}[/dim]",
+        queues_table(overview.queues),
+        nodes,
+        running,
+        idle,
     )
 
 

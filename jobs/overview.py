@@ -1,4 +1,5 @@
-"""One snapshot of the whole service for `ringq top`: RQ queue lengths, live nodes, running jobs.
+"""One snapshot of the whole service for `ringq top`: RQ queue lengths, live nodes, running jobs,
+idle warm groups.
 
 Read-only and cheap enough to poll every second: running jobs are found by reading only the
 `state` field of every indexed job (pipelined, a chunk per round trip), and only the small
@@ -18,6 +19,7 @@ from jobs.reservations import Reservations
 from jobs.schemas import JobKind, NodeInfo, Placement, Progress
 from jobs.store import JobStore
 from jobs.submit import admit_queue, node_queue
+from jobs.warm_groups import WarmGroups
 
 RUNNING_STATES = frozenset({JobState.ADMITTED, JobState.LOADING, JobState.PREFILL, JobState.DECODE})
 SCAN_CHUNK_JOBS = 1000
@@ -46,12 +48,23 @@ class RunningJob(_Row):
     eta_s: float | None
 
 
+class IdleGroup(_Row):
+    """A warm group waiting for its next job (jobs/warm_groups.py)."""
+
+    group_id: str
+    model: str
+    strategy: str
+    nodes: list[str]
+    bytes_per_node: int
+
+
 class Overview(_Row):
     taken_at: float
     queues: list[QueueRow]
     nodes: list[NodeInfo]
     reserved_bytes: dict[str, int]  # node -> bytes held by running groups' reservations
     running: list[RunningJob]
+    idle_groups: list[IdleGroup] = []
 
 
 def take_overview(conn: redis.Redis) -> Overview:
@@ -64,6 +77,16 @@ def take_overview(conn: redis.Redis) -> Overview:
         nodes=nodes,
         reserved_bytes=reserved_per_node(conn, [n.name for n in nodes]),
         running=running_jobs(conn),
+        idle_groups=[
+            IdleGroup(
+                group_id=g.group_id,
+                model=g.model,
+                strategy=g.strategy,
+                nodes=g.nodes,
+                bytes_per_node=held,
+            )
+            for g, held in WarmGroups(conn).idle()
+        ],
     )
 
 

@@ -14,10 +14,11 @@ from cli.render import format_eta
 from cli.top import follow
 from jobs.lifecycle import JobState
 from jobs.overview import eta_s, running_jobs, take_overview
-from jobs.schemas import JobKind, JobSpec, NodeInfo, Placement, Progress
+from jobs.schemas import GroupSpec, JobKind, JobSpec, NodeInfo, Placement, Progress
 from jobs.settings import get_settings
 from jobs.store import JobStore
 from jobs.submit import node_queue, submit_job
+from jobs.warm_groups import WarmGroups, idle_key
 
 GiB = 1024**3
 
@@ -75,6 +76,17 @@ def busy(redis_conn):
     )
     store.fail(ids[4], "gone")
     node_queue(redis_conn, "node-1").enqueue("ring_worker.node_agent.start_rank", {"x": 1}, 0)
+    idle = GroupSpec(
+        group_id="warm1",
+        job_id="job-old",
+        model="smollm2",
+        addresses=["127.0.0.1:1"],
+        nodes=["node-0"],
+        chunk_tokens=512,
+        strategy="single",
+    )
+    WarmGroups(redis_conn).offer(idle, 2 * GiB)
+    redis_conn.set(idle_key("warm1"), "1", ex=60)  # what its rank 0 keeps alive while waiting
     return ids
 
 
@@ -94,6 +106,8 @@ def test_overview_counts_queues_nodes_and_running_jobs(redis_conn, busy):
     prefill = overview.running[0]
     assert prefill.progress.processed == 1000 and prefill.eta_s == pytest.approx(20.0)
     assert prefill.placement is not None and prefill.placement.nodes == ["node-0", "node-1"]
+    [idle] = overview.idle_groups
+    assert (idle.group_id, idle.nodes, idle.bytes_per_node) == ("warm1", ["node-0"], 2 * GiB)
 
 
 def test_running_jobs_scans_past_one_chunk(redis_conn, busy):
@@ -110,7 +124,14 @@ def test_top_json_is_one_object(ringq, busy):
     out = ringq("top", "--json")
     assert out.exit_code == 0, out.output
     payload = json.loads(out.stdout)
-    assert set(payload) == {"taken_at", "queues", "nodes", "reserved_bytes", "running"}
+    assert set(payload) == {
+        "taken_at",
+        "queues",
+        "nodes",
+        "reserved_bytes",
+        "running",
+        "idle_groups",
+    }
     assert payload["queues"][0] == {"name": "ringq:admit", "queued": 5, "started": 0}
     assert {n["name"]: n["available_bytes"] for n in payload["nodes"]} == {
         "node-0": 20 * GiB,
@@ -124,7 +145,17 @@ def test_top_json_is_one_object(ringq, busy):
 def test_top_once_prints_one_frame(ringq, busy):
     out = ringq("top", "--once")
     assert out.exit_code == 0, out.output
-    for text in ("ringq:admit", "node-1", "job-0", "1000/3000", "ring-2 on node-0,node-1", "0:20"):
+    for text in (
+        "ringq:admit",
+        "node-1",
+        "job-0",
+        "1000/3000",
+        "ring-2 on node-0,node-1",
+        "0:20",
+        "idle warm groups: 1",
+        "warm1",
+        "2.00 GiB",
+    ):
         assert text in out.stdout, text
     assert "job-2" not in out.stdout and "job-4" not in out.stdout  # queued, failed
 
