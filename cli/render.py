@@ -32,11 +32,14 @@ def status_json(record: JobRecord) -> dict[str, Any]:
             "strategy": placement.strategy if placement else None,
             "ring_size": placement.ring_size if placement else None,
             "nodes": placement.nodes if placement else [],
+            "warm": placement.warm if placement else False,
         },
         "model": record.spec.model,
         "custom_id": record.spec.custom_id,
         "error": record.error,
         "waiting_reason": record.waiting_reason,
+        "attempt": record.attempt,
+        "retry_reasons": record.retry_reasons,
         "created_at": record.created_at,
         "updated_at": record.updated_at,
     }
@@ -77,6 +80,10 @@ def print_result(console: Console, payload: dict[str, Any]) -> None:
 def describe(record: JobRecord) -> str:
     where = placement_text(record.placement)
     line = f"{record.id}  {record.kind.value}  {record.state.value}  {where}"
+    if record.placement is not None and record.placement.warm:
+        line += " (warm group)"
+    for i, reason in enumerate(record.retry_reasons, 1):
+        line += f"\n  retry {i}: {reason}"
     if record.error:
         line += f"\n  error: {record.error}"
     return line

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from cli.render import describe, status_json
 from jobs import keys
 from jobs.errors import StaleGroupError
 from jobs.lifecycle import JobState
@@ -199,3 +200,13 @@ def test_the_reconciler_forgets_groups_whose_job_ended(store, settings):
     store.fail(job, "done with it")
     assert reconcile(store.conn, settings) == []
     assert store.conn.hlen(keys.GROUPS_INDEX) == 0
+
+
+def test_status_shows_the_retries(store, settings):
+    job = new_job(store)
+    place(store, job, "g1")
+    lose_group(store.conn, settings, job, "g1", "rank 1 was killed by signal 9")
+    record = store.get(job)
+    assert "retry 1: rank 1 was killed by signal 9" in describe(record)
+    payload = status_json(record)
+    assert payload["attempt"] == 1 and payload["retry_reasons"] == ["rank 1 was killed by signal 9"]
