@@ -54,6 +54,8 @@ def keep_stage(model: nn.Module, rank: int, size: int) -> range:
 
 
 class PipelineEngine(Engine):
+    overlap_decode = False  # stages send and receive: see Engine._post
+
     def __init__(self, model: nn.Module, group: Any):
         super().__init__(model, group)
         assert self.group is not None, "a pipeline needs a group of two or more ranks"
@@ -90,8 +92,9 @@ class PipelineEngine(Engine):
             mx.eval(*posted)  # this step's send has landed before anyone agrees on stopping
             yield Step(index if working else None, last_hidden)
 
-    def _decode_step(self, token: int, cache: list[Any]) -> mx.array | None:
-        x = mx.array([[token]]) if self.rank == 0 else self._recv(1)
+    def _decode_step(self, token: mx.array, cache: list[Any]) -> mx.array | None:
+        """Synchronous: a stage materialises its input before computing on it (see prefill)."""
+        x = token.reshape(1, 1) if self.rank == 0 else self._recv(1)
         mx.eval(x)
         hidden = self._stage(x, cache)
         if self.rank < self.last_rank:

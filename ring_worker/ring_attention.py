@@ -7,7 +7,8 @@ absolute positions) and the ranks share their K/V:
   overlapped with attention over the block in hand); partial attentions are merged with
   log-sum-exp; block pairs wholly in a query block's future are never computed.
 - `allgather`: one all_gather per layer, then one causal attention call per query block over
-  its whole prefix (MLX aligns the causal mask to the end when queries are fewer than keys).
+  its whole prefix (MLX aligns the causal mask to the end when queries are fewer than keys),
+  each prefix a slice of one buffer: with replicated KV, the cache the chunk was just stored in.
 KV layouts after each chunk:
 - `replicated`: every rank keeps every block (the whole prompt in order); decode is plain mlx-lm
   on every rank.
@@ -258,8 +259,6 @@ class RingAttention(nn.Module):
 
     def _ring_chunk(self, x: mx.array, cache: Any) -> mx.array:
         ring = self._ring
-        split = ring.split
-        assert split is not None
         queries, mine = self._project_local(x)
         sharded = ring.kv_layout == "sharded"
         payload = with_local_past(mine, cache) if sharded else mine
@@ -268,18 +267,28 @@ class RingAttention(nn.Module):
             outs = self._prefix_outputs(queries, per_rank, cache)
         else:
             outs, per_rank = self._rotate(queries, payload, cache)
-        kept = [split_past(kv, self._past_length(r))[1] for r, kv in enumerate(per_rank)]
-        blocks = blocks_in_order(split, kept)
-        if sharded:
-            first, second = split.blocks_of(ring.rank)
-            kept_blocks = [blocks[first], blocks[second]]
-        else:
-            kept_blocks = blocks
-        cache.update_and_fetch(
-            mx.concatenate([b[0] for b in kept_blocks], axis=2),
-            mx.concatenate([b[1] for b in kept_blocks], axis=2),
-        )
+            self._store(self._chunk_blocks(per_rank), cache)
         return mx.concatenate(outs, axis=2)
+
+    def _chunk_blocks(self, per_rank: list[KV]) -> list[KV]:
+        """The current chunk's 2N K/V blocks in position order, from every rank's payload."""
+        split = self._ring.split
+        assert split is not None
+        kept = [split_past(kv, self._past_length(r))[1] for r, kv in enumerate(per_rank)]
+        return blocks_in_order(split, kept)
+
+    def _store(self, blocks: list[KV], cache: Any) -> KV:
+        """Append the chunk's K/V to the cache (replicated: every block; sharded: this rank's
+        two); returns the cache's keys and values up to its new end."""
+        ring = self._ring
+        split = ring.split
+        assert split is not None
+        if ring.kv_layout == "sharded":
+            blocks = [blocks[b] for b in split.blocks_of(ring.rank)]
+        return cache.update_and_fetch(
+            mx.concatenate([k for k, _ in blocks], axis=2),
+            mx.concatenate([v for _, v in blocks], axis=2),
+        )
 
     def _past_length(self, rank: int) -> int:
         ring = self._ring
@@ -305,22 +314,22 @@ class RingAttention(nn.Module):
     def _prefix_outputs(
         self, queries: list[mx.array], per_rank: list[KV], cache: Any
     ) -> list[mx.array]:
-        """All-gather path: one causal SDPA per query block over every earlier key and its own."""
+        """All-gather path: one causal SDPA per query block over every earlier key and its own,
+        each a slice of one buffer (no copy of the past per block). Replicated: the cache, once
+        the chunk is stored in it. Sharded: every rank's past, then the chunk, concatenated once."""
         ring = self._ring
         split = ring.split
         assert split is not None
-        pasts, kept = zip(
-            *(split_past(kv, self._past_length(r)) for r, kv in enumerate(per_rank)), strict=True
-        )
-        local_past = (
-            [(cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :])]
-            if cache.offset and ring.kv_layout == "replicated"
-            else []
-        )
-        past = local_past + [p for p in pasts if p[0].shape[2]]
-        blocks = blocks_in_order(split, list(kept))
+        blocks = self._chunk_blocks(per_rank)
+        keys, values = self._store(blocks, cache)
+        if ring.kv_layout == "sharded":
+            pasts = [split_past(kv, self._past_length(r))[0] for r, kv in enumerate(per_rank)]
+            ordered = [p for p in pasts if p[0].shape[2]] + blocks
+            keys = mx.concatenate([k for k, _ in ordered], axis=2)
+            values = mx.concatenate([v for _, v in ordered], axis=2)
+        past_length = keys.shape[2] - split.bounds[-1]
         return [
-            prefix_attention(self.inner, q, past + blocks[: block + 1])
+            prefix_attention(self.inner, q, keys, values, past_length + split.bounds[block + 1])
             for q, block in zip(queries, split.blocks_of(ring.rank), strict=True)
         ]
 
@@ -409,10 +418,12 @@ def ungroup_heads(out: mx.array) -> mx.array:
     return out.reshape(batch, kv_heads * group, length, dim)
 
 
-def prefix_attention(attn: nn.Module, q: mx.array, keys_values: list[KV]) -> mx.array:
-    """One causal SDPA call of a query block over all keys before it, its own block last."""
-    k = mx.concatenate([k for k, _ in keys_values], axis=2)
-    v = mx.concatenate([v for _, v in keys_values], axis=2)
+def prefix_attention(
+    attn: nn.Module, q: mx.array, keys: mx.array, values: mx.array, end: int
+) -> mx.array:
+    """One causal SDPA call of a query block whose last key is `end - 1`, over keys[:end] (MLX
+    aligns the causal mask to the end when queries are fewer than keys)."""
+    k, v = keys[..., :end, :], values[..., :end, :]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask="causal")
 
 
