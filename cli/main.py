@@ -69,8 +69,31 @@ def cli() -> None:
 @click.option(
     "--id", "job_id", default=None, help="Job id to use, one FILE only (default: random)."
 )
+@click.option(
+    "--keep-cache",
+    is_flag=True,
+    help="prefill: keep the KV cache on its node (one node) for later generate jobs.",
+)
+@click.option(
+    "--cache-from",
+    metavar="JOB",
+    default=None,
+    help="generate: start from prefill JOB's kept KV cache; only the rest of the prompt is "
+    "computed.",
+)
 def submit(
-    kind, files, model, prompt, max_tokens, temperature, as_json, ring_size, sharding, job_id
+    kind,
+    files,
+    model,
+    prompt,
+    max_tokens,
+    temperature,
+    as_json,
+    ring_size,
+    sharding,
+    job_id,
+    keep_cache,
+    cache_from,
 ):
     """Enqueue a prefill or generate job per FILE; prints the job ids, one a line.
 
@@ -81,7 +104,14 @@ def submit(
     paths = expand_files(files)
     if job_id and len(paths) > 1:
         raise click.UsageError(f"--id names one job, but {len(paths)} files were given")
-    options = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature)
+    options = dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        keep_cache=keep_cache,
+        cache_from=cache_from,
+    )
     specs = [
         build_spec(kind, path, ring_size=ring_size, sharding=sharding, **options) for path in paths
     ]

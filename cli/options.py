@@ -39,6 +39,8 @@ def build_spec(
     temperature,
     ring_size,
     sharding="auto",
+    keep_cache=False,
+    cache_from=None,
 ) -> JobSpec:
     settings = get_settings()
     text, name = read_document(file, settings.max_document_bytes)
@@ -52,6 +54,8 @@ def build_spec(
         temperature=temperature,
         ring_size=parse_ring_size(ring_size),
         sharding=sharding,
+        keep_cache=keep_cache,
+        cache_from=cache_from,
     )
 
 

@@ -64,6 +64,16 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
     spec = record.spec
     tokens, shape = tokenize_and_check(spec, stored_tokens(store, job_id, record))
     nodes = fresh_nodes(store.live_nodes(), settings)
+    if spec.cache_from is not None:  # only the node that holds the cache will do
+        holder = cache_node(store, spec)
+        if holder is None:
+            store.set_tokens(job_id, tokens)
+            return wait(conn, store, job_id, settings, f"waiting for job {spec.cache_from}")
+        nodes = [n for n in nodes if n.name == holder]
+        if not nodes:
+            store.set_tokens(job_id, tokens)
+            reason = f"waiting for node {holder}, which holds job {spec.cache_from}'s KV cache"
+            return wait(conn, store, job_id, settings, reason)
     if not nodes and (known := conn.scard(keys.NODES_INDEX)):
         store.set_tokens(job_id, tokens)
         reason = f"no node agent is live right now ({known} registered before): waiting for one"
@@ -73,7 +83,7 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         max_new_tokens=new_tokens(spec),
         chunk_tokens=settings.prefill_chunk_tokens,
         ring_size=None if spec.ring_size == "auto" else spec.ring_size,
-        sharding=spec.sharding.value,
+        sharding="single" if spec.keep_cache or spec.cache_from else spec.sharding.value,
         # A retry runs on the fewest nodes that fit: a lost group may have been a broken link.
         ring_min_tokens=sys.maxsize if record.attempt else settings.ring_min_tokens,
         kv_layout=settings.decode_kv,
@@ -247,6 +257,30 @@ def wait(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings, re
     return "waiting"
 
 
+def cache_node(store: JobStore, spec: JobSpec) -> str | None:
+    """The node holding the KV cache `spec` starts from; None while that prefill job runs.
+    InvalidJobError when there is no such cache to use."""
+    source_id = spec.cache_from
+    assert source_id is not None
+    try:
+        source = store.get(source_id)
+    except JobNotFoundError:
+        raise InvalidJobError(f"cache_from: no job {source_id!r}") from None
+    if not source.spec.keep_cache:
+        raise InvalidJobError(
+            f"cache_from: job {source_id} did not keep its KV cache (submit it with keep_cache)"
+        )
+    if source.spec.model != spec.model:
+        raise InvalidJobError(
+            f"cache_from: job {source_id} ran {source.spec.model}, this job asks for {spec.model}"
+        )
+    if not source.state.is_final:
+        return None
+    if source.state != JobState.FINISHED or source.placement is None:
+        raise InvalidJobError(f"cache_from: job {source_id} is {source.state}, it kept no cache")
+    return source.placement.nodes[0]
+
+
 def stored_tokens(store: JobStore, job_id: str, record: JobRecord) -> list[int] | None:
     """Tokens an earlier attempt stored for a job that waited for memory."""
     if record.waiting_reason is None:
@@ -278,6 +312,9 @@ def new_tokens(spec: JobSpec) -> int:
 
 def prompt_tokens(spec: JobSpec) -> list[int]:
     tokenizer = load_tokenizer(resolve_model(spec.model))
+    if spec.kind == JobKind.PREFILL and spec.keep_cache:
+        # as a generate job's prompt begins: its cache then serves questions on this document
+        return tokenizer.chat_tokens([{"role": "user", "content": spec.document.rstrip()}])
     if spec.kind == JobKind.PREFILL:
         return tokenizer.encode(spec.document)
     message = "\n\n".join(part for part in (spec.document.rstrip(), spec.prompt_text()) if part)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import redis
+from rq import Queue
 from rq.registry import StartedJobRegistry
 
 from jobs import keys
@@ -31,6 +32,7 @@ from jobs.submit import admit_data, admit_queue
 log = logging.getLogger(__name__)
 GROUP_FAILED_TTL_S = 3600
 RECONCILE_INTERVAL_S = 1.0
+STUCK_DEQUEUED_S = 5.0  # a live dispatcher starts what it dequeued within microseconds
 
 
 @dataclass(frozen=True)
@@ -157,11 +159,31 @@ def forget_dead_warm_groups(conn: redis.Redis) -> None:
             conn.hdel(keys.WARM_GROUPS, raw_id)
 
 
+def rescue_dequeued(queue: Queue) -> list[str]:
+    """Admissions a dispatcher took off the queue and died before starting (RQ parks them in
+    its intermediate list and looks again only every 10 minutes): back on the queue once seen
+    there, not started, for STUCK_DEQUEUED_S."""
+    parked = queue.intermediate_queue
+    rescued = []
+    for job_id in parked.get_job_ids():
+        if job_id in queue.started_job_registry or parked.set_first_seen(job_id):
+            continue
+        first_seen = parked.get_first_seen(job_id)
+        if first_seen and time.time() - first_seen.timestamp() > STUCK_DEQUEUED_S:
+            parked.remove(job_id)
+            queue.push_job_id(job_id)
+            rescued.append(job_id)
+            log.warning("admission %s was dequeued by a dispatcher that died: requeued", job_id)
+    return rescued
+
+
 def reconcile(conn: redis.Redis, settings: Settings) -> list[str]:
     """One pass; returns the ids of the groups it found lost."""
     forget_dead_warm_groups(conn)
     # Admissions whose dispatcher died mid-job: RQ retries them (admission is idempotent).
-    StartedJobRegistry(queue=admit_queue(conn)).cleanup()
+    queue = admit_queue(conn)
+    StartedJobRegistry(queue=queue).cleanup()
+    rescue_dequeued(queue)
     store = JobStore(conn, settings.job_ttl_s)
     live = {n.name for n in fresh_nodes(store.live_nodes(), settings)}
     lost = []

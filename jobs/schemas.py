@@ -43,6 +43,8 @@ class JobSpec(_Message):
     ring_size: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     sharding: Sharding = Sharding.AUTO
     custom_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    keep_cache: bool = False  # prefill: keep the KV cache on its node for later generate jobs
+    cache_from: str | None = None  # generate: start from this prefill job's kept KV cache
 
     @field_validator("document")
     @classmethod
@@ -67,6 +69,17 @@ class JobSpec(_Message):
     def _consistent(self) -> "JobSpec":
         if self.sharding == Sharding.SINGLE and self.ring_size not in ("auto", 1):
             raise ValueError(f"sharding 'single' runs on one node, but ring_size={self.ring_size}")
+        if self.keep_cache and self.kind != JobKind.PREFILL:
+            raise ValueError("keep_cache is for prefill jobs (generate jobs use cache_from)")
+        if self.cache_from is not None and self.kind != JobKind.GENERATE:
+            raise ValueError("cache_from is for generate jobs")
+        if self.cache_from is not None:
+            check_job_id(self.cache_from)
+        if (self.keep_cache or self.cache_from) and (
+            self.sharding not in (Sharding.AUTO, Sharding.SINGLE)
+            or self.ring_size not in ("auto", 1)
+        ):
+            raise ValueError("kept KV caches live on one node: use sharding 'single' (or auto)")
         return self
 
     def prompt_text(self) -> str:
@@ -104,6 +117,7 @@ class JobResult(_Message):
     decode_s: float
     peak_memory_bytes: list[int]
     prefill_started_at: float | None = None  # unix time; minus the job's created_at: its wait
+    cached_tokens: int = 0  # prompt tokens taken from a kept KV cache (cache_from), not computed
 
 
 class JobRecord(_Message):

@@ -91,17 +91,21 @@ class Engine:
         chunk_tokens: int,
         on_progress: ProgressFn | None = None,
         should_stop: StopFn | None = None,
+        cache: list[Any] | None = None,
     ) -> PrefillResult:
         """Chunked prefill. Progress goes (0, total), then once per chunk up to (total, total) on
         every rank, for every strategy. `should_stop`, if given, must be given on every rank: the
-        ranks agree on it (one tiny collective) after every step and raise Cancelled together."""
+        ranks agree on it (one tiny collective) after every step and raise Cancelled together.
+        `cache` (one device only): a KV cache of earlier tokens that `tokens` continue."""
         if not tokens:
             raise ValueError("cannot prefill an empty prompt")
+        if cache is not None and self.group is not None:
+            raise ValueError("continuing from a kept KV cache runs on one device")
         started = time.perf_counter()
         total = len(tokens)
         chunks = [tokens[s : s + chunk_tokens] for s in range(0, total, chunk_tokens)]
         ends = [min((i + 1) * chunk_tokens, total) for i in range(len(chunks))]
-        cache = make_prompt_cache(self.model)
+        cache = make_prompt_cache(self.model) if cache is None else cache
         if on_progress:
             on_progress("prefill", 0, total)
         hidden = None

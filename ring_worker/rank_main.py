@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from jobs.errors import ModelLoadError, RingqError
+from jobs.errors import InvalidJobError, ModelLoadError, RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import ChatTokenizer, load_tokenizer, resolve_model
 from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
@@ -24,6 +24,7 @@ from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
 from ring_worker.group import group_backend, join_group
 from ring_worker.job_io import FileJobIO, JobIO, RedisJobIO
+from ring_worker.kept_cache import load_cache, save_cache
 from ring_worker.models import load_for_this_device
 from ring_worker.pipeline import keep_stage
 from ring_worker.processes import exit_with_parent
@@ -67,12 +68,25 @@ def run_job(
 ) -> None:
     lead = rank == 0
     spec, tokens = io.spec(), io.tokens()
+    home = get_settings().home
+    cache, reused = None, 0
+    if spec.cache_from is not None:
+        if not isinstance(io, RedisJobIO):
+            raise InvalidJobError("cache_from needs the service (ringq submit)")
+        kept = io.store.get_tokens(spec.cache_from)
+        cache, reused = load_cache(home, spec.cache_from, kept, tokens)
     report = kicking(watchdog, throttled(io, lead))
-    enter(io, lead, watchdog, JobState.PREFILL, len(tokens))
+    enter(io, lead, watchdog, JobState.PREFILL, len(tokens) - reused)
     prefill_started_at = time.time()
     prefill = engine.prefill(
-        tokens, group.chunk_tokens, on_progress=report, should_stop=io.should_stop
+        tokens[reused:],
+        group.chunk_tokens,
+        on_progress=report,
+        should_stop=io.should_stop,
+        cache=cache,
     )
+    if spec.keep_cache and lead:
+        save_cache(home, io.job_id, prefill.cache, len(tokens))
     decoded = DecodeResult([], 0.0)
     if spec.kind == JobKind.GENERATE:
         enter(io, lead, watchdog, JobState.DECODE, len(tokens))
@@ -88,7 +102,8 @@ def run_job(
     peaks = engine.gather_ints(mx.get_peak_memory())
     if lead:
         result = job_result(spec, tokenizer, len(tokens), load_s, prefill, decoded, peaks)
-        io.finish(result.model_copy(update={"prefill_started_at": prefill_started_at}))
+        extra = {"prefill_started_at": prefill_started_at, "cached_tokens": reused}
+        io.finish(result.model_copy(update=extra))
     log.info("job %s rank %d: done", io.job_id, rank)
 
 
@@ -164,7 +179,7 @@ def job_result(
         text=text if spec.kind == JobKind.GENERATE else None,
         prompt_tokens=prompt_tokens,
         generated_tokens=len(generated),
-        prompt_tps=prompt_tokens / prefill.seconds,
+        prompt_tps=prefill.prompt_tokens / prefill.seconds,  # the tokens computed
         generation_tps=len(generated) / decoded.seconds if decoded.seconds else 0.0,
         load_s=load_s,
         prefill_s=prefill.seconds,

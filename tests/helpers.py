@@ -99,3 +99,10 @@ def rank_pid(group_id: str, rank: int) -> int:
             if argv[argv.index("--rank") + 1] == str(rank):
                 return pid
     raise AssertionError(f"no rank {rank} process for group {group_id}")
+
+
+def completions(cluster, job_id: str) -> int:
+    """How many groups ran `job_id` to completion (rank 0 logs `done` after writing the result)."""
+    done = f"job {job_id} rank 0: done"
+    logs = (cluster.settings.home / "logs").glob("*-rank0.log")
+    return sum(log.read_text(errors="replace").count(done) for log in logs)

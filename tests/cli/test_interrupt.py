@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import suppress
 
 import psutil
 
@@ -16,7 +17,12 @@ def rank_children(pid: int) -> list[psutil.Process]:
         children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [c for c in children if "ring_worker.rank_main" in " ".join(c.cmdline())]
+    ranks = []
+    for child in children:
+        with suppress(psutil.Error):  # a child that just exited (a zombie) has no cmdline
+            if "ring_worker.rank_main" in " ".join(child.cmdline()):
+                ranks.append(child)
+    return ranks
 
 
 def test_sigterm_stops_ringq_run_and_its_ranks(tiny_llama_dir, tmp_path):

@@ -20,6 +20,7 @@ from jobs.submit import enqueue_jobs, new_job_id, submit_job
 from tests.helpers import (
     LONG_DOCUMENT,
     child_pid,
+    completions,
     final_record,
     in_prefill,
     private_cluster,
@@ -71,13 +72,6 @@ def assert_group_gone(store: JobStore, record: JobRecord) -> None:
 
     for node in record.placement.nodes:
         wait_for(partial(released, node), f"the lost group's memory on {node} to be released")
-
-
-def completions(cluster: LocalCluster, job_id: str) -> int:
-    """How many groups ran `job_id` to completion (rank 0 logs `done` after writing the result)."""
-    done = f"job {job_id} rank 0: done"
-    logs = (cluster.settings.home / "logs").glob("*-rank0.log")
-    return sum(log.read_text(errors="replace").count(done) for log in logs)
 
 
 def test_a_rank_killed_mid_prefill_is_torn_down_and_the_job_retried(

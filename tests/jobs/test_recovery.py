@@ -11,11 +11,18 @@ from cli.render import describe, status_json
 from jobs import keys
 from jobs.errors import StaleGroupError
 from jobs.lifecycle import JobState
-from jobs.recovery import lose_group, reconcile, report_group_failure, track_group
+from jobs.recovery import (
+    lose_group,
+    reconcile,
+    report_group_failure,
+    rescue_dequeued,
+    track_group,
+)
 from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, NodeInfo, Placement, Progress
 from jobs.settings import Settings
 from jobs.store import JobStore
+from jobs.submit import admit_data
 from ring_worker.job_io import RedisJobIO
 
 
@@ -210,3 +217,20 @@ def test_status_shows_the_retries(store, settings):
     assert "retry 1: rank 1 was killed by signal 9" in describe(record)
     payload = status_json(record)
     assert payload["attempt"] == 1 and payload["retry_reasons"] == ["rank 1 was killed by signal 9"]
+
+
+def test_an_admission_taken_by_a_dispatcher_that_died_is_put_back(store):
+    """RQ moves a dequeued job to an intermediate list before it starts it; a dispatcher killed
+    in between leaves the admission there (RQ looks again every 10 minutes)."""
+    from jobs.submit import admit_queue
+
+    job = new_job(store)
+    queue = admit_queue(store.conn)
+    queue.enqueue_many([admit_data(job)])
+    parked = queue.intermediate_queue
+    store.conn.lmove(queue.key, parked.key, "LEFT", "RIGHT")  # what a dequeue does first
+    assert queue.job_ids == [] and parked.get_job_ids() == [f"admit-{job}"]
+    assert rescue_dequeued(queue) == []  # first sighting: maybe a live dispatcher's
+    store.conn.set(parked.get_first_seen_key(f"admit-{job}"), time.time() - 60)
+    assert rescue_dequeued(queue) == [f"admit-{job}"]
+    assert queue.job_ids == [f"admit-{job}"] and parked.get_job_ids() == []
