@@ -34,6 +34,7 @@ from jobs.store import JobStore  # noqa: E402
 from jobs.submit import enqueue_jobs, new_job_id, submit_job  # noqa: E402
 from tests.helpers import (  # noqa: E402
     LONG_DOCUMENT,
+    completions,
     private_cluster,
     rank_pid,
     rank_processes,
@@ -50,12 +51,6 @@ ENV = {
     "RINGQ_RANK_PORT_BASE": "33300",
 }
 OUT = Path(__file__).parent / "results"
-
-
-def completions(cluster: LocalCluster, job_id: str) -> int:
-    done = f"job {job_id} rank 0: done"
-    logs = (cluster.settings.home / "logs").glob("*-rank0.log")
-    return sum(log.read_text(errors="replace").count(done) for log in logs)
 
 
 def final(store: JobStore, job_id: str, timeout_s: float = 300) -> JobRecord:
