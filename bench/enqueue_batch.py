@@ -1,4 +1,5 @@
-"""How fast a large batch is read and enqueued: `ringq batch submit` must not take minutes.
+"""How fast a large batch is read, enqueued and cancelled: `ringq batch submit` and `ringq batch
+cancel` must not take minutes.
 
 Writes a JSONL of N small requests (OpenAI Batch and plain lines alternating, model smollm2),
 then times, separately: resolving the model (once per distinct model: reading the GGUF's
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from jobs.batch import batch_counts, submit_batch
+from jobs.batch import batch_counts, cancel_batch, submit_batch
 from jobs.batch_input import Defaults, parse_batch_file, require_valid
 from jobs.model_catalog import resolve_model
 from jobs.redis_server import connect, ensure_redis
@@ -75,6 +76,8 @@ def main(lines: int, redis_url: str | None) -> None:
         counts, _ = timed("status (pipelined HGETs)", batch_counts, conn, record)
         click.echo(f"total {counts.total}, queued {counts.queued}; {lines / enqueue_s:,.0f} jobs/s")
         click.echo(f"admit queue length {admit_queue(conn).count}")
+        outcome, _ = timed("cancel (every job queued)", cancel_batch, conn, record.id)
+        click.echo(f"cancelled {outcome.cancelled}, stopping {outcome.stopping}")
     finally:
         if handle:
             handle.stop()

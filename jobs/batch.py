@@ -21,8 +21,8 @@ import redis
 
 from jobs import keys
 from jobs.batch_input import BatchItem
-from jobs.cancel import cancel_job
-from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundError
+from jobs.cancel import cancel_many
+from jobs.errors import InvalidJobError, JobNotFoundError
 from jobs.lifecycle import JobState
 from jobs.schemas import BatchEntry, BatchRecord, JobKind, JobResult, check_job_id
 from jobs.store import JobStore
@@ -152,22 +152,10 @@ def batch_results(conn: redis.Redis, batch_id: str) -> BatchResults:
 
 
 def cancel_batch(conn: redis.Redis, batch_id: str) -> BatchCancel:
-    """Cancel every job of the batch that is not final (jobs/cancel.py, one job at a time)."""
+    """Cancel every job of the batch that is not final (jobs/cancel.py, in bulk)."""
     record = get_batch(conn, batch_id)
-    cancelled = stopping = already_final = 0
-    for entry, state in zip(record.entries, job_states(conn, record), strict=True):
-        if state is None or state.is_final:
-            already_final += 1
-            continue
-        try:
-            job = cancel_job(conn, entry.job_id)
-        except (IllegalTransitionError, JobNotFoundError):  # it ended meanwhile
-            already_final += 1
-            continue
-        if job.state == JobState.CANCELLED:
-            cancelled += 1
-        else:
-            stopping += 1
+    job_ids = [entry.job_id for entry in record.entries]
+    cancelled, stopping, already_final = cancel_many(conn, job_ids, JobStore(conn).job_ttl_s)
     return BatchCancel(cancelled, stopping, already_final)
 
 

@@ -1,7 +1,9 @@
 """Cancelling jobs. A job that has not started ends `cancelled` at once; a running one gets a
 flag in Redis that its ranks poll, and they stop together at the next chunk or decode step."""
 
+import json
 import time
+from collections.abc import Sequence
 
 import redis
 
@@ -12,6 +14,35 @@ from jobs.schemas import JobRecord
 from jobs.store import JobStore
 
 NOT_STARTED = frozenset({JobState.QUEUED, JobState.ADMITTED})
+NOT_STARTED_REASON = "cancelled before it started"
+
+# KEYS: n job hashes, then their n cancel flags. ARGV: now, flag ttl, reason (JSON). What
+# cancel_job does, for many jobs in one round trip: the flag, and a not-started job cancelled.
+_CANCEL_MANY = """
+local now, ttl, reason = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local n = #KEYS / 2
+local cancelled, stopping, final = 0, 0, 0
+for i = 1, n do
+  local job, flag = KEYS[i], KEYS[n + i]
+  local state = redis.call('HGET', job, 'state')
+  if not state or state == '"finished"' or state == '"failed"' or state == '"cancelled"' then
+    final = final + 1
+  else
+    redis.call('SET', flag, now, 'EX', ttl)
+    if state == '"queued"' or state == '"admitted"' then
+      local progress = cjson.decode(redis.call('HGET', job, 'progress'))
+      progress['phase'] = 'cancelled'
+      progress['updated_at'] = tonumber(now)
+      redis.call('HSET', job, 'state', '"cancelled"', 'error', reason, 'updated_at', now,
+                 'progress', cjson.encode(progress))
+      cancelled = cancelled + 1
+    else
+      stopping = stopping + 1
+    end
+  end
+end
+return {cancelled, stopping, final}
+"""
 
 
 def cancel_job(conn: redis.Redis, job_id: str) -> JobRecord:
@@ -28,7 +59,7 @@ def cancel_job(conn: redis.Redis, job_id: str) -> JobRecord:
     if record.state in NOT_STARTED:
         # The dispatcher skips jobs that are no longer queued; ranks already started for an
         # admitted job see the flag at startup and exit together.
-        mark_cancelled(store, job_id, "cancelled before it started")
+        mark_cancelled(store, job_id, NOT_STARTED_REASON)
     return store.get(job_id)
 
 
@@ -47,3 +78,19 @@ def mark_cancelled(store: JobStore, job_id: str, reason: str) -> bool:
         return True
     except (IllegalTransitionError, JobNotFoundError):
         return False
+
+
+def cancel_many(
+    conn: redis.Redis, job_ids: Sequence[str], ttl_s: int, chunk_jobs: int = 1000
+) -> tuple[int, int, int]:
+    """cancel_job for many jobs, a script call per `chunk_jobs`. Returns how many were cancelled
+    at once, how many are stopping (running: their ranks see the flag), how many were final."""
+    script = conn.register_script(_CANCEL_MANY)
+    totals = [0, 0, 0]
+    for start in range(0, len(job_ids), chunk_jobs):
+        chunk = job_ids[start : start + chunk_jobs]
+        job_keys = [keys.job(j) for j in chunk] + [keys.job_cancel(j) for j in chunk]
+        args: list[str | int] = [str(time.time()), ttl_s, json.dumps(NOT_STARTED_REASON)]
+        counts = script(keys=job_keys, args=args)
+        totals = [t + int(c) for t, c in zip(totals, counts, strict=True)]
+    return totals[0], totals[1], totals[2]
