@@ -62,20 +62,20 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         # a retry: wait until a node that died with the lost group is no longer live
         return wait(conn, store, job_id, settings, record.waiting_reason or "retrying")
     spec = record.spec
-    tokens, shape = tokenize_and_check(spec, stored_tokens(store, job_id, record))
+    earlier = stored_tokens(store, job_id, record)
+    tokens, shape = tokenize_and_check(spec, earlier)
+    if earlier is None:  # stored once: ranks read them, and a retry need not tokenise again
+        store.set_tokens(job_id, tokens)
     nodes = fresh_nodes(store.live_nodes(), settings)
     if spec.cache_from is not None:  # only the node that holds the cache will do
         holder = cache_node(store, spec)
         if holder is None:
-            store.set_tokens(job_id, tokens)
             return wait(conn, store, job_id, settings, f"waiting for job {spec.cache_from}")
         nodes = [n for n in nodes if n.name == holder]
         if not nodes:
-            store.set_tokens(job_id, tokens)
             reason = f"waiting for node {holder}, which holds job {spec.cache_from}'s KV cache"
             return wait(conn, store, job_id, settings, reason)
     if not nodes and (known := conn.scard(keys.NODES_INDEX)):
-        store.set_tokens(job_id, tokens)
         reason = f"no node agent is live right now ({known} registered before): waiting for one"
         return wait(conn, store, job_id, settings, reason)
     request = PlacementRequest(
@@ -92,10 +92,10 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
     warm = WarmGroups(conn)
     idle = warm.idle() if settings.group_idle_s > 0 else []
     free = [capacity(n, reservations.reserved_bytes(n.name)) for n in nodes]
-    if idle:
-        store.set_tokens(job_id, tokens)  # before a warm group's rank 0 can read them
-        if done := try_warm(conn, store, job_id, settings, shape, request, nodes, idle):
-            return done
+    if idle and (
+        done := try_warm(conn, store, job_id, settings, shape, request, nodes, idle, warm)
+    ):
+        return done
     try:
         plan = plan_placement(shape, request, free)
     except CannotPlace as busy:
@@ -106,16 +106,14 @@ def admit(conn: redis.Redis, store: JobStore, job_id: str, settings: Settings) -
         if asked := warm.evict(group for group, _ in idle):
             log.info("job %s: asked idle groups %s to make way", job_id, asked)
         reason = f"waiting for memory that running groups hold: {busy}"
-        store.set_tokens(job_id, tokens)  # a retry need not tokenise again
         return wait(conn, store, job_id, settings, reason)
     by_name = {n.name: n for n in nodes}
     group_id = uuid.uuid4().hex[:12]
     needs = {name: (plan.bytes_per_node, by_name[name].memory_bytes) for name in plan.nodes}
     if (why := reservations.reserve(group_id, needs)) is not None:
-        store.set_tokens(job_id, tokens)
         return wait(conn, store, job_id, settings, why)  # another dispatcher was faster
     try:
-        return hand_over(conn, store, job_id, settings, plan, by_name, group_id, tokens)
+        return hand_over(conn, store, job_id, settings, plan, by_name, group_id, len(tokens))
     except BaseException:
         for name in plan.nodes:
             reservations.release(group_id, name)
@@ -140,6 +138,7 @@ def try_warm(
     request: PlacementRequest,
     nodes: list[NodeInfo],
     idle: list[tuple[GroupSpec, int]],
+    warm: WarmGroups,
 ) -> str | None:
     """Give the job to an idle group with the layout it would get if idle groups made way and
     the same model and settings, growing the group's reservation if the job needs more. None
@@ -155,17 +154,7 @@ def try_warm(
     except CannotPlace:
         return None
     for group, held in idle:
-        same = (
-            group.model == spec.model
-            and group.strategy == plan.layout.strategy
-            and len(group.nodes) == plan.layout.size
-            and group.decode_kv == plan.layout.kv_layout
-            and group.chunk_tokens == settings.prefill_chunk_tokens
-            and group.exchange == choose_exchange(settings, [by_name[n] for n in group.nodes])
-            if all(n in by_name for n in group.nodes)
-            else False
-        )
-        if not same:
+        if not runs_like(group, spec, plan, settings, by_name):
             continue
         if held < plan.bytes_per_node:  # grow its reservation, or leave it be
             needs = {n: (plan.bytes_per_node, by_name[n].memory_bytes) for n in group.nodes}
@@ -185,13 +174,33 @@ def try_warm(
         store.transition(
             job_id, JobState.ADMITTED, placement=placement, progress=progress, waiting_reason=None
         )
-        if WarmGroups(conn).claim(group, job_id):
+        if warm.claim(group, job_id):
             track_group(conn, group.model_copy(update={"job_id": job_id}))
             log.info("job %s admitted to warm group %s", job_id, group.group_id)
             return "admitted (warm)"
         # another dispatcher took it, or it just retired: back to queued, try the next
         store.transition(job_id, JobState.QUEUED, placement=None)
     return None
+
+
+def runs_like(
+    group: GroupSpec,
+    spec: JobSpec,
+    plan: PlacementPlan,
+    settings: Settings,
+    live: dict[str, NodeInfo],
+) -> bool:
+    """Whether `group` is what a fresh group for this job and plan would be."""
+    if not all(n in live for n in group.nodes):
+        return False
+    return (
+        group.model == spec.model
+        and group.strategy == plan.layout.strategy
+        and len(group.nodes) == plan.layout.size
+        and group.decode_kv == plan.layout.kv_layout
+        and group.chunk_tokens == settings.prefill_chunk_tokens
+        and group.exchange == choose_exchange(settings, [live[n] for n in group.nodes])
+    )
 
 
 def hand_over(
@@ -202,7 +211,7 @@ def hand_over(
     plan: PlacementPlan,
     by_name: dict[str, NodeInfo],
     group_id: str,
-    tokens: list[int],
+    prompt_tokens: int,
 ) -> str:
     """Record the placement and ask each node agent to start its rank of the group."""
     spec = store.get(job_id).spec
@@ -218,7 +227,6 @@ def hand_over(
         decode_kv=plan.layout.kv_layout,
         idle_s=settings.group_idle_s,
     )
-    store.set_tokens(job_id, tokens)
     placement = Placement(
         strategy=plan.layout.strategy,
         kv_layout=plan.layout.kv_layout,
@@ -227,7 +235,7 @@ def hand_over(
         group_id=group.group_id,
         bytes_per_node=plan.bytes_per_node,
     )
-    progress = Progress(phase=JobState.ADMITTED, total=len(tokens))
+    progress = Progress(phase=JobState.ADMITTED, total=prompt_tokens)
     store.transition(
         job_id, JobState.ADMITTED, placement=placement, progress=progress, waiting_reason=None
     )
