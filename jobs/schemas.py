@@ -104,6 +104,7 @@ class Placement(_Message):
     group_id: str
     bytes_per_node: int
     warm: bool = False  # ran on a group that was already loaded (a previous job's)
+    reason: str | None = None  # why the dispatcher chose this layout (shown by `ringq status`)
 
 
 class JobResult(_Message):
@@ -164,6 +165,7 @@ class NodeInfo(_Message):
     memory_bytes: int  # what ringq may use on this node
     available_bytes: int  # free right now (min of the limit and what the OS reports)
     address: str  # where this node's ranks listen
+    device: str = "cpu"  # what its ranks compute on, e.g. "cuda:1 NVIDIA H200" or "cpu"
     pid: int
     started_at: float
     heartbeat_at: float
