@@ -3,37 +3,46 @@ flag in Redis that its ranks poll, and they stop together at the next chunk or d
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from string import Template
 
 import redis
 
 from jobs import keys
-from jobs.errors import IllegalTransitionError, JobNotFoundError
-from jobs.lifecycle import JobState
+from jobs.errors import IllegalTransitionError
+from jobs.lifecycle import FINAL_STATES, JobState
 from jobs.schemas import JobRecord
 from jobs.store import JobStore
 
 NOT_STARTED = frozenset({JobState.QUEUED, JobState.ADMITTED})
 NOT_STARTED_REASON = "cancelled before it started"
 
+
+def _lua_state_set(states: Iterable[JobState]) -> str:
+    """A Lua table literal whose keys are `states` as the job hash stores them (JSON strings)."""
+    return "{" + ", ".join(f"['{json.dumps(s.value)}'] = true" for s in sorted(states)) + "}"
+
+
 # KEYS: n job hashes, then their n cancel flags. ARGV: now, flag ttl, reason (JSON). What
 # cancel_job does, for many jobs in one round trip: the flag, and a not-started job cancelled.
-_CANCEL_MANY = """
+# The state names come from JobState.
+_CANCEL_MANY = Template("""
 local now, ttl, reason = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local final_states, not_started_states = $final_states, $not_started_states
 local n = #KEYS / 2
 local cancelled, stopping, final = 0, 0, 0
 for i = 1, n do
   local job, flag = KEYS[i], KEYS[n + i]
   local state = redis.call('HGET', job, 'state')
-  if not state or state == '"finished"' or state == '"failed"' or state == '"cancelled"' then
+  if not state or final_states[state] then
     final = final + 1
   else
     redis.call('SET', flag, now, 'EX', ttl)
-    if state == '"queued"' or state == '"admitted"' then
+    if not_started_states[state] then
       local progress = cjson.decode(redis.call('HGET', job, 'progress'))
-      progress['phase'] = 'cancelled'
+      progress['phase'] = '$cancelled'
       progress['updated_at'] = tonumber(now)
-      redis.call('HSET', job, 'state', '"cancelled"', 'error', reason, 'updated_at', now,
+      redis.call('HSET', job, 'state', '$cancelled_json', 'error', reason, 'updated_at', now,
                  'progress', cjson.encode(progress))
       cancelled = cancelled + 1
     else
@@ -42,7 +51,12 @@ for i = 1, n do
   end
 end
 return {cancelled, stopping, final}
-"""
+""").substitute(
+    final_states=_lua_state_set(FINAL_STATES),
+    not_started_states=_lua_state_set(NOT_STARTED),
+    cancelled=JobState.CANCELLED.value,
+    cancelled_json=json.dumps(JobState.CANCELLED.value),
+)
 
 
 def cancel_job(conn: redis.Redis, job_id: str) -> JobRecord:
@@ -69,15 +83,7 @@ def cancel_requested(conn: redis.Redis, job_id: str) -> bool:
 
 def mark_cancelled(store: JobStore, job_id: str, reason: str) -> bool:
     """Move a job to `cancelled` unless it is already final. Returns whether this call did."""
-    try:
-        record = store.get(job_id)
-        progress = record.progress.model_copy(
-            update={"phase": JobState.CANCELLED, "updated_at": time.time()}
-        )
-        store.transition(job_id, JobState.CANCELLED, error=reason, progress=progress)
-        return True
-    except (IllegalTransitionError, JobNotFoundError):
-        return False
+    return store.end(job_id, JobState.CANCELLED, reason)
 
 
 def cancel_many(

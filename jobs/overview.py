@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from jobs import keys
 from jobs.lifecycle import JobState
 from jobs.reservations import Reservations
-from jobs.schemas import JobKind, NodeInfo, Placement, Progress
+from jobs.schemas import JobKind, NodeInfo, Placement, Progress, WarmGroup
 from jobs.store import JobStore
 from jobs.submit import admit_queue, node_queue
 from jobs.warm_groups import WarmGroups
@@ -77,16 +77,18 @@ def take_overview(conn: redis.Redis) -> Overview:
         nodes=nodes,
         reserved_bytes=reserved_per_node(conn, [n.name for n in nodes]),
         running=running_jobs(conn),
-        idle_groups=[
-            IdleGroup(
-                group_id=g.group_id,
-                model=g.model,
-                strategy=g.strategy,
-                nodes=g.nodes,
-                bytes_per_node=held,
-            )
-            for g, held in WarmGroups(conn).idle()
-        ],
+        idle_groups=[idle_group(warm) for warm in WarmGroups(conn).idle_groups()],
+    )
+
+
+def idle_group(warm: WarmGroup) -> IdleGroup:
+    group = warm.group
+    return IdleGroup(
+        group_id=group.group_id,
+        model=group.model,
+        strategy=group.strategy,
+        nodes=group.nodes,
+        bytes_per_node=warm.bytes_per_node,
     )
 
 

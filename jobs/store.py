@@ -18,6 +18,8 @@ from jobs.errors import (
 from jobs.lifecycle import JobState, can_transition
 from jobs.schemas import JobRecord, JobSpec, NodeInfo, Progress
 
+UNFINISHED_ENDS = frozenset({JobState.FAILED, JobState.CANCELLED})  # final states without a result
+
 
 class JobStore:
     def __init__(self, conn: redis.Redis, job_ttl_s: int = 7 * 24 * 3600):
@@ -95,16 +97,24 @@ class JobStore:
                     continue
         return self.get(job_id)
 
-    def fail(self, job_id: str, reason: str) -> bool:
-        """Fail a job unless it is already final. Returns whether this call failed it."""
+    def end(
+        self, job_id: str, state: JobState, reason: str, *, group_id: str | None = None
+    ) -> bool:
+        """Fail or cancel a job (`state`), `reason` its error, unless it is already final (or,
+        with `group_id`, no longer placed on that group). Returns whether this call ended it."""
+        if state not in UNFINISHED_ENDS:
+            raise ValueError(f"end() fails or cancels a job, not {state}")
         try:
             record = self.get(job_id)
-            self.transition(
-                job_id, JobState.FAILED, error=reason, progress=_phase(record, JobState.FAILED)
-            )
+            progress = _phase(record, state)
+            self.transition(job_id, state, group_id=group_id, error=reason, progress=progress)
             return True
-        except (IllegalTransitionError, JobNotFoundError):
+        except (IllegalTransitionError, JobNotFoundError, StaleGroupError):
             return False
+
+    def fail(self, job_id: str, reason: str) -> bool:
+        """Fail a job unless it is already final. Returns whether this call failed it."""
+        return self.end(job_id, JobState.FAILED, reason)
 
     def set_waiting(self, job_id: str, reason: str) -> None:
         self.conn.hset(keys.job(job_id), "waiting_reason", json.dumps(reason))

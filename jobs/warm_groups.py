@@ -1,9 +1,9 @@
 """Warm groups: a group whose job finished stays loaded for RINGQ_GROUP_IDLE_S, and the next job
 for the same model and layout runs on it: no processes to start, no weights to load.
 
-In Redis, `ringq:warm` maps a group id to the group (JSON) while it may take jobs. Its rank 0
-keeps `group:{id}:idle` alive (a short TTL) exactly while it waits. Every rank blocks on its own
-list `group:{id}:next:{rank}` (in Redis, not in a collective: MLX's ring backend spins a core
+In Redis, keys.WARM_GROUPS maps a group id to a WarmGroup while it may take jobs. Its rank 0
+keeps keys.group_idle alive (a short TTL) exactly while it waits. Every rank blocks on its own
+list keys.group_next (in Redis, not in a collective: MLX's ring backend spins a core
 while it waits). The dispatcher claims an idle group by deleting the idle key and pushing the job
 id to every rank's list in one script; rank 0 retires the group the same way, so a group never
 gets a job after it retired, nor two at once, and every rank sees the same words in the same
@@ -11,7 +11,6 @@ order. An empty word asks the group to retire (idle too long, or its memory is w
 of another shape).
 """
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -19,7 +18,7 @@ from collections.abc import Callable, Iterable
 import redis
 
 from jobs import keys
-from jobs.schemas import GroupSpec
+from jobs.schemas import GroupSpec, WarmGroup
 
 log = logging.getLogger(__name__)
 IDLE_KEY_TTL_S = 5
@@ -50,16 +49,8 @@ return false
 """
 
 
-def idle_key(group_id: str) -> str:
-    return f"{keys.PREFIX}:group:{group_id}:idle"
-
-
-def next_key(group_id: str, rank: int) -> str:
-    return f"{keys.PREFIX}:group:{group_id}:next:{rank}"
-
-
 def next_keys(group: GroupSpec) -> list[str]:
-    return [next_key(group.group_id, rank) for rank in range(len(group.nodes))]
+    return [keys.group_next(group.group_id, rank) for rank in range(len(group.nodes))]
 
 
 class WarmGroups:
@@ -73,17 +64,18 @@ class WarmGroups:
 
     def idle(self) -> list[tuple[GroupSpec, int]]:
         """Groups waiting for a job now, with the bytes each holds per node."""
-        entries = self.conn.hgetall(keys.WARM_GROUPS)
-        found = []
-        for raw in entries.values():
-            entry = json.loads(raw)
-            group = GroupSpec.model_validate(entry["group"])
-            if self.conn.exists(idle_key(group.group_id)):
-                found.append((group, int(entry["bytes_per_node"])))
-        return found
+        return [(warm.group, warm.bytes_per_node) for warm in self.idle_groups()]
+
+    def idle_groups(self) -> list[WarmGroup]:
+        """The warm groups waiting for a job now."""
+        entries = [
+            WarmGroup.model_validate_json(raw)
+            for raw in self.conn.hgetall(keys.WARM_GROUPS).values()
+        ]
+        return [w for w in entries if self.conn.exists(keys.group_idle(w.group.group_id))]
 
     def claim(self, group: GroupSpec, job_id: str) -> bool:
-        keys_ = [idle_key(group.group_id), *next_keys(group)]
+        keys_ = [keys.group_idle(group.group_id), *next_keys(group)]
         return bool(self._claim(keys=keys_, args=[job_id]))
 
     def evict(self, groups: Iterable[GroupSpec]) -> list[str]:
@@ -93,8 +85,8 @@ class WarmGroups:
     # -- rank 0's side
 
     def offer(self, group: GroupSpec, bytes_per_node: int) -> None:
-        entry = {"group": group.model_dump(mode="json"), "bytes_per_node": bytes_per_node}
-        self.conn.hset(keys.WARM_GROUPS, group.group_id, json.dumps(entry))
+        entry = WarmGroup(group=group, bytes_per_node=bytes_per_node)
+        self.conn.hset(keys.WARM_GROUPS, group.group_id, entry.model_dump_json())
 
     def wait_for_job(
         self, group: GroupSpec, rank: int, idle_s: float, kick: Callable[[], None] = lambda: None
@@ -102,18 +94,18 @@ class WarmGroups:
         """A rank after a job: the next job id the dispatcher gives its group, or None once the
         group retires (rank 0 retires it after `idle_s` without a job; the other ranks wait
         for rank 0's word, a little longer in case rank 0 died)."""
-        own = next_key(group.group_id, rank)
+        own, idle = keys.group_next(group.group_id, rank), keys.group_idle(group.group_id)
         give_up = time.monotonic() + idle_s + (0 if rank == 0 else RANK_GRACE_S)
         while True:
             if rank == 0:
-                self._refresh(keys=[idle_key(group.group_id), own], args=[IDLE_KEY_TTL_S])
+                self._refresh(keys=[idle, own], args=[IDLE_KEY_TTL_S])
             popped = self.conn.blpop([own], timeout=1)
             kick()
             word: bytes | str | None = popped[1] if popped is not None else None
             if word is None and time.monotonic() >= give_up:
                 if rank != 0:
                     return None
-                keys_ = [idle_key(group.group_id), keys.WARM_GROUPS, *next_keys(group)]
+                keys_ = [idle, keys.WARM_GROUPS, *next_keys(group)]
                 word = self._retire(keys=keys_, args=[group.group_id])
                 if word is None:
                     return None
