@@ -234,3 +234,13 @@ def test_an_admission_taken_by_a_dispatcher_that_died_is_put_back(store):
     store.conn.set(parked.get_first_seen_key(f"admit-{job}"), time.time() - 60)
     assert rescue_dequeued(queue) == [f"admit-{job}"]
     assert queue.job_ids == [f"admit-{job}"] and parked.get_job_ids() == []
+
+
+def test_an_unreadable_failure_record_fails_the_job_and_says_so(store, settings):
+    job = new_job(store)
+    place(store, job, "g1")
+    store.conn.set(keys.group_failed("g1"), '{"reason": "half a record"')  # cut short
+    assert lose_group(store.conn, settings, job, "g1", "rank 0 exited with code 1") == "failed"
+    final = store.get(job)
+    assert final.state == JobState.FAILED and "unreadable failure record" in (final.error or "")
+    assert admissions(store) == []

@@ -59,3 +59,24 @@ def test_tokens_round_trip(store):
     store.create("j1", SPEC)
     store.set_tokens("j1", [1, 2, 3])
     assert store.get_tokens("j1") == [1, 2, 3]
+
+
+@pytest.mark.parametrize("state", [JobState.FAILED, JobState.CANCELLED])
+def test_end_moves_a_live_job_to_its_final_state_once(store, state):
+    store.create("j1", SPEC)
+    assert store.end("j1", state, "why")
+    assert not store.end("j1", JobState.FAILED, "again")
+    record = store.get("j1")
+    assert record.state == record.progress.phase == state and record.error == "why"
+
+
+def test_end_of_a_stale_group_leaves_the_job_alone(store):
+    store.create("j1", SPEC)
+    assert not store.end("j1", JobState.FAILED, "stale", group_id="g-old")
+    assert store.get("j1").state == JobState.QUEUED
+
+
+def test_end_refuses_states_that_need_a_result(store):
+    store.create("j1", SPEC)
+    with pytest.raises(ValueError, match="finished"):
+        store.end("j1", JobState.FINISHED, "no result")
