@@ -62,3 +62,7 @@ def admit_retries(job_id: str) -> str:
 
 GROUPS_INDEX = f"{PREFIX}:groups"  # hash: group id -> JSON TrackedGroup while it runs
 WARM_GROUPS = f"{PREFIX}:warm"  # hash: group id -> JSON WarmGroup while it may take jobs
+
+
+def gpu_owner(host: str, gpu: str) -> str:
+    return f"{PREFIX}:gpu:{host}:{gpu}"  # the node agent that owns this GPU (expires with it)
