@@ -19,6 +19,24 @@ case "${1:-service}" in
     tar czf "$out/logs-service.tgz" -C /tmp/logs .
     ;;
   demo)
+    # where a cold rank's start goes: imports, CUDA init, nvidia-smi
+    python3 -X importtime -c "import ring_worker.rank_main" 2> /tmp/importtime.txt
+    sort -t'|' -k2 -n /tmp/importtime.txt | tail -25 > "$out/importtime-top.txt"
+    python3 - > "$out/rank-start.txt" 2>&1 <<'PY'
+import time
+t = time.perf_counter()
+import ring_worker.rank_main  # noqa: F401
+t1 = time.perf_counter()
+import mlx.core as mx
+ok = mx.cuda.is_available()
+t2 = time.perf_counter()
+from ring_worker.devices import cuda_memory_bytes
+cuda_memory_bytes()
+t3 = time.perf_counter()
+mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))
+t4 = time.perf_counter()
+print(f"import rank_main {t1 - t:.2f}s, cuda available {t2 - t1:.2f}s, nvidia-smi {t3 - t2:.2f}s, first kernel {t4 - t3:.2f}s")
+PY
     (cd /tmp && RINGQ_HOME=/tmp/demo-home timeout 300 python3 -m cli.main demo \
       --model random:llama-3.2-1b --max-tokens 32) > "$out/demo.txt" 2>&1
     echo "demo exit $?" >> "$out/demo.txt"
