@@ -5,7 +5,6 @@ start a new one.
 `admit_job` runs inside the dispatcher's RQ worker (no fork) for every submitted job."""
 
 import logging
-import threading
 import time
 import uuid
 
@@ -45,7 +44,7 @@ def serve(conn: redis.Redis, settings: Settings) -> None:
     """The dispatcher service: admissions from the admit queue, and the reconciler alongside."""
     global _dispatcher
     _dispatcher = Dispatcher(conn, settings)
-    threading.Thread(target=import_tokenizers, daemon=True, name="import-tokenizers").start()
+    import_tokenizers()
     reconciler = Reconciler(conn, settings).start()
     try:
         service_worker(admit_queue(conn), conn, "dispatcher").work(logging_level="WARNING")
@@ -54,8 +53,9 @@ def serve(conn: redis.Redis, settings: Settings) -> None:
 
 
 def import_tokenizers() -> None:
-    """Import what tokenising needs while the dispatcher waits for its first job: it took 5 s of
-    the first job's admission on an H200 machine (bench/results/h200-service)."""
+    """Import what tokenising needs before the first job: it took 5 s of the first job's
+    admission on an H200 machine (bench/results/h200-service). Not in a thread: transformers'
+    lazy imports fail when two threads import it at once."""
     import transformers.tokenization_utils_fast  # noqa: F401
 
 

@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s job={group.job_id} rank={args.rank} %(message)s",
+        force=True,  # a spare rank logged before it knew its job
     )
     if args.from_standby:
         log.info("job %s rank %d: a spare rank took it", group.job_id, args.rank)
@@ -308,6 +309,8 @@ def await_handover() -> list[str] | None:
     them. Then one JSON line {argv, log} on stdin makes this the rank; EOF: exit."""
     exit_with_parent()
     mx.eval(mx.zeros((1,)))  # creates the device context (CUDA) now
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    log.info("spare rank ready (pid %d)", os.getpid())
     line = sys.stdin.readline()
     if not line.strip():
         return None
