@@ -75,6 +75,11 @@ class Settings(BaseSettings):
         description="A group whose job finished stays loaded this long for the next job of the "
         "same model and layout (0: every job starts and loads a group of its own).",
     )
+    api_keys: str | None = Field(
+        default=None,
+        description="Bearer keys of `ringq serve`'s HTTP API, comma-separated; unset: no key "
+        "needed, which `ringq serve` allows only on a loopback address.",
+    )
     allowed_dirs: list[Path] | None = Field(
         default=None,
         description="Directories services may read models (and other files) from, as a JSON "
