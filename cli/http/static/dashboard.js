@@ -239,7 +239,14 @@ function renderDetails(job) {
       `decode ${r.decode_s.toFixed(2)} s`]);
   }
   $("#job-details").replaceChildren(...pairs.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
-  $("#job-result").textContent = r ? r.text ?? "(a prefill job generates no text)" : job.error ? `(${job.state})` : "(no result yet)";
+  $("#job-result").textContent = resultText(job);
+}
+
+function resultText(job) {
+  const r = job.result;
+  if (!r) return job.error ? `(${job.state}: no result)` : "(no result yet)";
+  if (r.text == null) return "(a prefill job generates no text)";
+  return r.text || "(empty: the model generated no text)";
 }
 
 function renderJob(job) {
