@@ -6,10 +6,15 @@ ADMIT_QUEUE = f"{PREFIX}:admit"  # RQ queue the dispatcher works on
 JOBS_INDEX = f"{PREFIX}:jobs"  # sorted set: job id -> created_at
 NODES_INDEX = f"{PREFIX}:nodes"  # set of node names ever registered
 BATCHES_INDEX = f"{PREFIX}:batches"  # sorted set: batch id -> created_at
+STATE_INDEXES_READY = f"{PREFIX}:jobs:by-state:ready"  # set once jobs from before are indexed
 
 
 def job(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"  # hash: spec, state, progress, placement, result, error, ...
+
+
+def jobs_in_state(state: str) -> str:
+    return f"{PREFIX}:jobs:by-state:{state}"  # sorted set: job id -> created_at, kept with state
 
 
 def job_tokens(job_id: str) -> str:
