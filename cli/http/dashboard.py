@@ -18,10 +18,10 @@ from fastapi.responses import FileResponse
 from cli.http.batch_objects import batch_object
 from cli.http.batch_objects import load as load_openai_batch
 from cli.http.deps import Config, Conn
-from cli.http.listing_shim import list_batches
 from jobs import keys
 from jobs.batch import batch_counts, get_batch
 from jobs.errors import JobNotFoundError
+from jobs.listing import list_batches
 from jobs.overview import queue_rows, reserved_per_node
 from jobs.schemas import GroupSpec
 from jobs.store import JobStore

@@ -45,7 +45,7 @@ class JobView(BaseModel):
     attempt: int = 0
     created_at: float
     updated_at: float
-    eta_s: float | None = None  # prefill: seconds left at the current speed
+    eta_s: float | None = None  # seconds left in the current phase (eta_for)
 
 
 def read_view(conn: redis.Redis, job_id: str) -> JobView:
@@ -74,8 +74,16 @@ def read_views(
             if value is not None
         }
         progress = Progress.model_validate(fields.pop("progress"))
-        views.append(JobView(id=job_id, progress=progress, eta_s=eta_s(progress), **fields))
+        views.append(JobView(id=job_id, progress=progress, eta_s=eta_for(progress), **fields))
     return views
+
+
+def eta_for(progress: Progress) -> float | None:
+    """Seconds left in the current phase at its own speed: prefill by prompt tok/s, decode by
+    generated tok/s (at most max_tokens are left); None without a speed to go by."""
+    if progress.phase == JobState.DECODE and progress.generation_tps > 0:
+        return max(progress.total - progress.processed, 0) / progress.generation_tps
+    return eta_s(progress)
 
 
 def spec_json(record: JobRecord) -> dict[str, Any]:

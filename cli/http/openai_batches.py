@@ -27,7 +27,7 @@ from cli.http.file_store import FileStore
 from cli.http.openai_files import page
 from jobs import keys
 from jobs.batch import cancel_batch, new_batch_id, submit_batch
-from jobs.batch_input import CHAT_COMPLETIONS_URL, Defaults, LineError, parse_batch_lines
+from jobs.batch_input import CHAT_COMPLETIONS_URL, Defaults, ParsedBatch, parse_batch_lines
 from jobs.errors import RingqError
 from jobs.settings import Settings
 
@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches")
 DEFAULT_MAX_TOKENS = 256  # for lines that give none, as `ringq batch submit`
 MODEL_HINT = (
-    "; OpenAI model names do not run here: name a ringq model in the lines, or create the "
-    "batch with metadata={'model': 'smollm2'} (any ringq model) to run every line on it"
+    "; name a ringq model in the lines, or create the batch with metadata={'model': "
+    "'smollm2'} (any ringq model) to run every line on it"
 )
 
 
@@ -170,7 +170,7 @@ def _enqueue(
     )
     parsed = parse_batch_lines(text.splitlines(), Path("."), name, defaults)
     if parsed.errors:
-        return _line_errors(parsed.errors, hint_model=model is None)
+        return _line_errors(parsed, hint_model=model is None)
     if not parsed.items:
         return [LineErrorObject(code="empty_file", message=f"{name}: no requests")]
     if load(conn, record.id).cancelling_at is None:
@@ -178,17 +178,19 @@ def _enqueue(
     return []
 
 
-def _line_errors(errors: list[LineError], hint_model: bool) -> list[LineErrorObject]:
-    """One error object a bad line; the hint about OpenAI model names once, on the first line
-    whose model is unknown."""
+def _line_errors(parsed: ParsedBatch, hint_model: bool) -> list[LineErrorObject]:
+    """One error object a bad line; the hint about models that do not run here once, on the
+    first line naming one."""
     found = [
         LineErrorObject(code="invalid_request", message=e.message, line=e.line_number)
-        for e in errors
+        for e in parsed.errors
     ]
-    model_lines = [i for i, e in enumerate(errors) if "model" in e.message]
-    if hint_model and model_lines:
+    model_lines = [i for i, e in enumerate(parsed.errors) if "does not run here" in e.message]
+    if parsed.hint and model_lines:
+        reason = parsed.hint.split("; `ringq batch submit")[0]
+        hint = f". Hint: {reason}" + (MODEL_HINT if hint_model else "")
         first = found[model_lines[0]]
-        found[model_lines[0]] = first.model_copy(update={"message": first.message + MODEL_HINT})
+        found[model_lines[0]] = first.model_copy(update={"message": first.message + hint})
     return found
 
 

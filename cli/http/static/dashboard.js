@@ -54,7 +54,8 @@ function stateBadge(state) {
 // tok/s: the job's own prefill rate, else the rate between this page's last two samples.
 function rateOf(job) {
   const p = job.progress;
-  if (p.prompt_tps > 0) return p.prompt_tps;
+  if (p.phase === "prefill" && p.prompt_tps > 0) return p.prompt_tps;
+  if (p.phase === "decode" && p.generation_tps > 0) return p.generation_tps;
   const last = samples.get(job.id);
   let rate = last && last.rate;
   if (last && last.phase === p.phase && p.processed > last.processed && p.updated_at > last.at) {
