@@ -65,7 +65,8 @@ class OpenAIBatchRecord(BaseModel):
 def save(conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int) -> None:
     with conn.pipeline() as pipe:
         pipe.set(keys.openai_batch(record.id), record.model_dump_json(), ex=ttl_s)
-        pipe.zadd(keys.OPENAI_BATCHES_INDEX, {record.id: record.created_at})
+        # Scored by the first save's time (created_at has whole seconds: batches would tie).
+        pipe.zadd(keys.OPENAI_BATCHES_INDEX, {record.id: time.time()}, nx=True)
         pipe.execute()
 
 

@@ -56,7 +56,7 @@ class FileStore:
         with self.conn.pipeline() as pipe:
             pipe.set(keys.file_content(meta.id), content, ex=self.ttl_s)
             pipe.set(keys.file_meta(meta.id), meta.model_dump_json(), ex=self.ttl_s)
-            pipe.zadd(keys.FILES_INDEX, {meta.id: now})
+            pipe.zadd(keys.FILES_INDEX, {meta.id: time.time()})  # not `now`: whole seconds tie
             pipe.execute()
         return meta
 

@@ -191,3 +191,21 @@ def test_models_and_errors_in_openai_shape(client, base_url):
     assert set(body["error"]) == {"message", "type", "param", "code"}
     status, body, _ = call("GET", f"{base_url}/v1/nowhere")
     assert (status, body["error"]["type"]) == (404, "invalid_request_error")
+
+
+def test_a_stream_closed_early_cancels_its_job(client, base_url):
+    long_document = "Ring attention passes key and value blocks around a ring. " * 150
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": long_document}, {"role": "user", "content": "?"}],
+        max_tokens=4000,
+        stream=True,
+    )
+    first = next(iter(stream))
+    job_id = first.id.removeprefix("chatcmpl-")
+    stream.close()
+    deadline = time.monotonic() + WAIT_S
+    while (state := call("GET", f"{base_url}/api/jobs/{job_id}")[1]["state"]) != "cancelled":
+        assert state not in ("finished", "failed"), state
+        assert time.monotonic() < deadline, f"job {job_id} still {state}"
+        time.sleep(0.1)

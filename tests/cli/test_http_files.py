@@ -1,0 +1,126 @@
+"""`ringq serve`'s files and the checks made before any job runs (no cluster needed: nothing is
+enqueued), through the official `openai` package; its pure helpers as tables."""
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from cli.http.auth import check_bind, is_loopback, key_matches, parse_keys
+from jobs.settings import Settings, get_settings
+from tests.cli.http_serving import call, serving
+
+
+@pytest.fixture
+def client(redis_url, redis_conn) -> Iterator[openai.OpenAI]:
+    settings = Settings(home=get_settings().home, redis_url=redis_url)
+    with serving(settings, redis_url) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_files_list_in_pages_and_delete(client):
+    ids = [
+        client.files.create(file=(f"f{i}.jsonl", b'{"a": 1}\n'), purpose="batch").id
+        for i in range(5)
+    ]
+    first = client.files.list(limit=2)
+    assert [f.id for f in first.data] == ids[::-1][:2] and first.has_more
+    every = [f.id for f in client.files.list(limit=2)]  # the client follows `after` itself
+    assert every == ids[::-1]
+    oldest_first = client.files.list(order="asc")
+    assert [f.id for f in oldest_first.data] == ids
+    assert client.files.content(ids[0]).content == b'{"a": 1}\n'
+    assert client.files.delete(ids[0]).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(ids[0])
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(ids[0])
+
+
+def test_uploads_are_checked(client):
+    with pytest.raises(openai.BadRequestError) as wrong_purpose:
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    assert wrong_purpose.value.param == "purpose"
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.files.create(file=("x.jsonl", b"\n\n"), purpose="batch")
+    assert "empty" in str(empty.value)
+
+
+def test_batch_creation_is_checked(client):
+    uploaded = client.files.create(file=("x.jsonl", b"{}\n"), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as window:
+        client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"
+        )
+    assert window.value.param == "completion_window"
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(
+            input_file_id="file-missing", endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+
+def test_a_document_path_on_the_server_is_refused(client):
+    line = b'{"custom_id": "a", "document_path": "/etc/hostname", "model": "random:tiny-llama"}\n'
+    uploaded = client.files.create(file=("paths.jsonl", line), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    for _ in range(100):
+        batch = client.batches.retrieve(batch.id)
+        if batch.status != "validating":
+            break
+    assert batch.status == "failed"
+    assert "outside RINGQ_ALLOWED_DIRS" in batch.errors.data[0].message
+
+
+def test_chat_checks_its_request_before_any_job(client):
+    base = str(client.base_url).removesuffix("/v1/")
+    status, error, _ = call(
+        "POST", f"{base}/v1/chat/completions", b"[1, 2]", {"Content-Type": "application/json"}
+    )
+    assert status == 400 and "JSON object" in error["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as no_model:
+        client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}])
+    assert no_model.value.param == "model"
+    with pytest.raises(openai.NotFoundError) as path_model:
+        client.chat.completions.create(model="/tmp", messages=[{"role": "user", "content": "x"}])
+    assert "RINGQ_ALLOWED_DIRS" in str(path_model.value)
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("192.168.1.10", False),
+        ("example.com", False),
+    ],
+)
+def test_loopback_addresses(host, loopback):
+    assert is_loopback(host) is loopback
+    if loopback:
+        check_bind(host, [])
+    else:
+        with pytest.raises(ValueError, match="RINGQ_API_KEYS"):
+            check_bind(host, [])
+    check_bind(host, ["a-key"])  # with keys, anywhere
+
+
+@pytest.mark.parametrize(
+    ("raw", "keys"),
+    [(None, []), ("", []), ("a", ["a"]), (" a , b,,", ["a", "b"]), (",", [])],
+)
+def test_parse_keys(raw, keys):
+    assert parse_keys(raw) == keys
+
+
+def test_key_matching():
+    assert key_matches("b", ["a", "b"])
+    assert not key_matches("c", ["a", "b"])
+    assert not key_matches("", ["a"]) and not key_matches(None, ["a"])
+    assert not key_matches("ab", ["a"])
