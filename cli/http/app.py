@@ -16,7 +16,7 @@ def create_app(conn: redis.Redis, settings: Settings, api_keys: Sequence[str]) -
     app = FastAPI(
         title="ringq",
         summary="OpenAI-compatible Files, Batches and Chat over ringq jobs, and its dashboard",
-        docs_url="/docs",
+        docs_url=None,  # FastAPI's docs pages load their scripts from a CDN; /openapi.json stays
         redoc_url=None,
     )
     app.state.conn = conn

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from cli.http.deps import Config, Conn
 from cli.http.errors import ApiError
 from cli.http.job_views import JobView, check_served_model, eta_for, read_view, spec_json
+from jobs import keys
 from jobs.cancel import cancel_job
 from jobs.lifecycle import JobState
 from jobs.listing import MAX_LIMIT, list_jobs
@@ -59,7 +60,12 @@ def list_(
 def status(job_id: str, conn: Conn) -> dict[str, Any]:
     record = JobStore(conn).get(job_id)
     view = read_view(conn, job_id)
-    return {**view_json(view), "spec": spec_json(record), "retry_reasons": record.retry_reasons}
+    return {
+        **view_json(view),
+        "spec": spec_json(record),
+        "retry_reasons": record.retry_reasons,
+        "admitted_at": admitted_at(conn, view),
+    }
 
 
 @router.post("/{job_id}/cancel")
@@ -96,6 +102,18 @@ async def progress_events(conn: Conn, view: JobView) -> AsyncIterator[str]:
         await asyncio.sleep(POLL_S)
         quiet_s += POLL_S
         view = await run_in_threadpool(read_view, conn, view.id)
+
+
+def admitted_at(conn: Conn, view: JobView) -> float | None:
+    """When the job's group was admitted, while the group still runs this job (the dispatcher
+    tracks running groups; a warm group's entry names the job it runs now)."""
+    if view.placement is None:
+        return None
+    raw = conn.hget(keys.GROUPS_INDEX, view.placement.group_id)
+    entry = json.loads(raw) if raw else None
+    if not entry or entry["group"]["job_id"] != view.id:
+        return None
+    return float(entry["admitted_at"])
 
 
 def sse(event: str, data: dict[str, Any]) -> str:

@@ -195,6 +195,7 @@ async function refreshLists() {
 // When each phase began: from the result's timings once there is a result, else as seen here.
 function phaseTimes(job) {
   const times = { queued: job.created_at, ...Object.fromEntries(seenPhases) };
+  if (job.admitted_at) times.admitted = job.admitted_at;
   const r = job.result;
   if (r && r.prefill_started_at) {
     times.loading = r.prefill_started_at - r.load_s;
