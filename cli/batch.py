@@ -110,7 +110,10 @@ def list_(limit: int, as_json: bool):
 def batches_table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
-    table = Table("batch", "input", "age", "total", "queued", "running", "completed", "failed")
+    table = Table()
+    table.add_column("batch", no_wrap=True)
+    for name in ("input", "age", "total", "queued", "running", "completed", "failed"):
+        table.add_column(name)
     table.add_column("cancelled")
     table.add_column("skipped")
     now = time.time()

@@ -215,7 +215,10 @@ def jobs_table(jobs: "list[JobSummary]", now: float | None = None) -> "Table":
     from rich.table import Table
 
     now = time.time() if now is None else now
-    table = Table("job", "kind", "state", "tokens", "model", "document", "age", "note")
+    table = Table()
+    table.add_column("job", no_wrap=True)
+    for name in ("kind", "state", "tokens", "model", "document", "age", "note"):
+        table.add_column(name)
     for job in jobs:
         progress = job.progress
         tokens = f"{progress.processed}/{progress.total}" if progress.total else "-"
