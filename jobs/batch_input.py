@@ -8,10 +8,13 @@ Two line forms, told apart by the presence of `url`, `method` or `body`:
   message must be the user's and becomes the job's prompt (the question); every message before it
   (system, developer, user), in order and joined by blank lines, becomes the document. A request
   of a single user message is all document and has an empty prompt (no instruction is added).
-  Other body fields (top_p, n, ...) are ignored; assistant and tool messages are refused.
+  `stop` and `seed` are honoured; `n` other than 1 and `top_p` other than 1 are refused (one
+  completion, temperature sampling); other body fields are ignored; assistant and tool messages
+  are refused.
 - Plain: `{"custom_id", "document" | "document_path", "prompt"?, "kind"? ("prefill" | "generate",
-  default generate), "max_tokens"?, "temperature"?, "model"?}`; `document_path` is relative to
-  the JSONL file's directory, a regular file, and inside RINGQ_ALLOWED_DIRS when that is set.
+  default generate), "max_tokens"?, "temperature"?, "model"?, "stop"?, "seed"?}`;
+  `document_path` is relative to the JSONL file's directory, a regular file, and inside
+  RINGQ_ALLOWED_DIRS when that is set.
 
 A line's own `model` is used unless the caller overrides every line's model (OpenAI files name
 models like "gpt-4o-mini" that ringq cannot run). Nothing is tokenised here: the dispatcher does
@@ -83,6 +86,33 @@ class ChatBody(BaseModel):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    top_p: float | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(
+                f"n={value}: ringq returns one completion per request; send the request "
+                f"{value} times with their own custom_id (and seed) instead"
+            )
+        return value
+
+    @field_validator("top_p", mode="before")
+    @classmethod
+    def _no_nucleus(cls, value: object) -> object:
+        if value is not None and value != 1:
+            raise ValueError(
+                f"top_p={value} is not supported (sampling uses temperature only): "
+                "remove it or set it to 1"
+            )
+        return value
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class OpenAILine(_Strict):
@@ -101,6 +131,8 @@ class PlainLine(_Strict):
     max_tokens: int | None = None
     temperature: float | None = None
     model: str | None = None
+    stop: list[str] = []
+    seed: int | None = None
 
     @model_validator(mode="after")
     def _one_document(self) -> "PlainLine":
@@ -270,6 +302,8 @@ def _openai_item(number: int, line: OpenAILine, defaults: Defaults) -> BatchItem
         max_tokens=first_given(body.max_completion_tokens, body.max_tokens),
         temperature=body.temperature,
         custom_id=line.custom_id,
+        stop=body.stop_list(),
+        seed=body.seed,
     )
     return BatchItem(number, line.custom_id, spec)
 
@@ -289,6 +323,8 @@ def _plain_item(number: int, line: PlainLine, base_dir: Path, defaults: Defaults
         max_tokens=line.max_tokens,
         temperature=line.temperature,
         custom_id=line.custom_id,
+        stop=line.stop,
+        seed=line.seed,
     )
     return BatchItem(number, line.custom_id, spec)
 

@@ -4,13 +4,14 @@ flag in Redis that its ranks poll, and they stop together at the next chunk or d
 import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import redis
 
 from jobs import keys
 from jobs.errors import IllegalTransitionError, JobNotFoundError
 from jobs.lifecycle import JobState
-from jobs.schemas import JobRecord
+from jobs.schemas import JobRecord, JobResult
 from jobs.store import JobStore
 
 NOT_STARTED = frozenset({JobState.QUEUED, JobState.ADMITTED})
@@ -74,14 +75,18 @@ def cancel_requested(conn: redis.Redis, job_id: str) -> bool:
     return bool(conn.exists(keys.job_cancel(job_id)))
 
 
-def mark_cancelled(store: JobStore, job_id: str, reason: str) -> bool:
-    """Move a job to `cancelled` unless it is already final. Returns whether this call did."""
+def mark_cancelled(
+    store: JobStore, job_id: str, reason: str, partial: JobResult | None = None
+) -> bool:
+    """Move a job to `cancelled` unless it is already final, keeping what it had generated
+    (`partial`) as its result. Returns whether this call did."""
     try:
         record = store.get(job_id)
         progress = record.progress.model_copy(
             update={"phase": JobState.CANCELLED, "updated_at": time.time()}
         )
-        store.transition(job_id, JobState.CANCELLED, error=reason, progress=progress)
+        fields: dict[str, Any] = {} if partial is None else {"result": partial}
+        store.transition(job_id, JobState.CANCELLED, error=reason, progress=progress, **fields)
         return True
     except (IllegalTransitionError, JobNotFoundError):
         return False

@@ -70,6 +70,17 @@ class BatchSummary(BaseModel):
     skipped_lines: int = 0
 
 
+def eta_s(progress: Progress) -> float | None:
+    """Seconds left in the current phase at its current speed: prefill's prompt tokens, or
+    decode's tokens up to max_tokens (at most that: EOS may end it sooner); None when there is
+    no speed to go by."""
+    if progress.phase == JobState.PREFILL and progress.prompt_tps > 0:
+        return max(progress.total - progress.processed, 0) / progress.prompt_tps
+    if progress.phase == JobState.DECODE and progress.generation_tps > 0:
+        return max(progress.total - progress.processed, 0) / progress.generation_tps
+    return None
+
+
 def list_jobs(
     conn: redis.Redis,
     state: JobState | str | None = None,
@@ -89,7 +100,7 @@ def list_jobs(
         ids = [_text(i) for i in conn.zrevrange(index, start, start + limit - 1)]
         if not ids:
             break
-        found += _summaries(conn, ids, wanted, index)
+        found += summaries(conn, ids, wanted, index)
         start += len(ids)
     return found[:limit]
 
@@ -126,8 +137,8 @@ def ensure_state_indexes(conn: redis.Redis, chunk_jobs: int = 1000) -> None:
     conn.set(keys.STATE_INDEXES_READY, "1")
 
 
-def _summaries(
-    conn: redis.Redis, ids: Sequence[str], wanted: JobState | None, index: str | None
+def summaries(
+    conn: redis.Redis, ids: Sequence[str], wanted: JobState | None, index: str | None = None
 ) -> list[JobSummary]:
     """Summaries of `ids` in order, one round trip; drops expired ids (and stale index
     entries) from `index`."""
@@ -181,7 +192,7 @@ def _batch_jobs(
     ids = [entry.job_id for entry in record.entries]  # input order
     found: list[JobSummary] = []
     for start in range(0, len(ids), max(limit, 100)):
-        found += _summaries(conn, ids[start : start + max(limit, 100)], wanted, None)
+        found += summaries(conn, ids[start : start + max(limit, 100)], wanted, None)
         if len(found) >= limit:
             break
     return found[:limit]

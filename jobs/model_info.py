@@ -78,16 +78,21 @@ def check_context(
     dispatcher tokenises)."""
     if prompt_tokens + max_tokens <= context_length:
         return
-    prompt = f"{prompt_tokens} tokens" if exact else f"at least {prompt_tokens} tokens"
     room = context_length - prompt_tokens
-    if room >= 1:
-        fix = f"lower --max-tokens (max_tokens) to at most {room}"
-        if max_tokens <= context_length // 2:
-            fix += ", or shorten the document"
+    if exact:
+        prompt = f"prompt of {prompt_tokens} tokens"
+        lower = f"lower --max-tokens (max_tokens) to at most {room}"
+    else:  # the dispatcher knows the real count (chat template included): a limit, not a number
+        prompt = f"prompt of at least {prompt_tokens} tokens"
+        lower = f"lower --max-tokens (max_tokens) below {room}"
+    if room < 1:
+        fix = "shorten the document: the prompt alone fills the context"
+    elif max_tokens <= context_length // 2:  # mostly document: the document is what to cut
+        fix = f"shorten the document, or {lower}"
     else:
-        fix = "shorten the document (the prompt alone fills the context)"
+        fix = lower
     raise InvalidJobError(
-        f"prompt of {prompt} + {max_tokens} to generate exceeds {model}'s context of "
+        f"{prompt} + {max_tokens} to generate exceeds {model}'s context of "
         f"{context_length} tokens: {fix}"
     )
 

@@ -20,6 +20,7 @@ from jobs.model_catalog import ChatTokenizer, load_tokenizer, resolve_model
 from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
 from jobs.settings import get_settings
 from jobs.warm_groups import WarmGroups
+from ring_worker.decode_text import cut_at_stop, partial_result, stop_check
 from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
 from ring_worker.group import group_backend, join_group
@@ -52,7 +53,9 @@ def serve(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path, watchdog: W
         except Cancelled as exc:  # every rank stops this job together; the group lives on
             log.info("job %s rank %d: cancelled, %s", job.job_id, rank, exc)
             if rank == 0:
-                job.cancelled(f"cancelled: {exc}")
+                spec = job.spec()
+                partial = partial_result(tokenizer, exc.tokens, len(job.tokens()), spec.stop)
+                job.cancelled(f"cancelled: {exc}", partial)
         load_s = 0.0
         job = next_job(group, rank, job, watchdog)
 
@@ -95,8 +98,10 @@ def run_job(
             spec.max_tokens,
             temperature=spec.temperature,
             stop_ids=tokenizer.eos_token_ids,
+            seed=spec.seed or 0,
             on_progress=report,
             should_stop=io.should_stop,
+            stop_when=stop_check(tokenizer, spec.stop),
         )
     watchdog.kick("finishing")
     peaks = engine.gather_ints(mx.get_peak_memory())
@@ -176,7 +181,7 @@ def job_result(
     generated = decoded.tokens
     text = tokenizer.decode([t for t in generated if t not in tokenizer.eos_token_ids])
     return JobResult(
-        text=text if spec.kind == JobKind.GENERATE else None,
+        text=cut_at_stop(text, spec.stop) if spec.kind == JobKind.GENERATE else None,
         prompt_tokens=prompt_tokens,
         generated_tokens=len(generated),
         prompt_tps=prefill.prompt_tokens / prefill.seconds,  # the tokens computed
@@ -227,6 +232,7 @@ def throttled(io: JobIO, lead: bool):
                 processed=done,
                 total=total,
                 prompt_tps=done / elapsed if phase == "prefill" else 0.0,
+                generation_tps=done / elapsed if phase == "decode" else 0.0,
             )
         )
 

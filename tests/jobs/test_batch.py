@@ -155,6 +155,25 @@ def test_invalid_lines_refuse_the_batch_unless_skipped():
     assert [item.custom_id for item in require_valid(parsed, skip_invalid=True)] == ["ok"]
 
 
+def test_openai_sampling_fields_are_honoured_or_refused_clearly():
+    parsed = parse(
+        [
+            chat("s", stop="\n\n", seed=7, n=1, top_p=1),
+            chat("l", stop=["END", "STOP"]),
+            chat("n", n=3),
+            chat("p", top_p=0.9),
+            plain("q", stop=["."], seed=1),
+        ]
+    )
+    specs = {item.custom_id: item.spec for item in parsed.items}
+    assert (specs["s"].stop, specs["s"].seed) == (["\n\n"], 7)
+    assert specs["l"].stop == ["END", "STOP"] and specs["l"].seed is None
+    assert (specs["q"].stop, specs["q"].seed) == (["."], 1)
+    errors = {e.custom_id: e.message for e in parsed.errors}
+    assert "n=3: ringq returns one completion per request" in errors["n"]
+    assert "top_p=0.9 is not supported" in errors["p"]
+
+
 def test_lines_naming_models_that_do_not_run_here_get_one_hint():
     lines = [chat(f"c{n}", model="gpt-4o-mini") for n in range(30)]
     parsed = parse(lines)
@@ -172,7 +191,7 @@ def test_max_tokens_past_the_context_is_refused_per_line_saying_what_to_lower():
     parsed = parse([plain("big", model="random:tiny-llama", max_tokens=20000)])
     [error] = parsed.errors
     assert "exceeds random:tiny-llama's context of 16384 tokens" in error.message
-    assert "lower --max-tokens (max_tokens) to at most" in error.message
+    assert error.message.endswith("lower --max-tokens (max_tokens) below 16374")  # a token a byte
 
 
 def test_a_batch_without_good_lines_is_refused_even_with_skip_invalid():
