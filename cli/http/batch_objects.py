@@ -29,6 +29,7 @@ from jobs.errors import JobNotFoundError
 
 COMPLETION_WINDOW_S = 24 * 3600
 FINALIZE_LOCK_S = 120
+VALIDATION_TIMEOUT_S = 600  # a batch still validating after this long was abandoned
 Stored = Literal["validating", "in_progress", "failed", "completed", "cancelled"]
 
 
@@ -80,6 +81,8 @@ def load(conn: redis.Redis, batch_id: str) -> OpenAIBatchRecord:
 def batch_object(conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int) -> dict[str, Any]:
     """OpenAI's batch object for `record`, finishing the batch first if its jobs all ended."""
     counts = None
+    if record.stored == "validating":
+        record = _recover_validation(conn, record, ttl_s)
     status: str = record.stored
     if record.stored == "in_progress":
         counts = batch_counts(conn, get_batch(conn, record.id))
@@ -126,6 +129,25 @@ def finalize(conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int) -> OpenAI
         return record
     finally:
         conn.delete(lock)
+
+
+def _recover_validation(
+    conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int
+) -> OpenAIBatchRecord:
+    """A batch left `validating` by a server that stopped mid-way: in progress if its jobs were
+    enqueued, failed once VALIDATION_TIMEOUT_S has passed without them."""
+    now = int(time.time())
+    if conn.exists(keys.batch(record.id)):
+        update: dict[str, Any] = {"stored": "in_progress", "in_progress_at": now}
+    elif now - record.created_at > VALIDATION_TIMEOUT_S:
+        message = "validation was interrupted (the server stopped?): create the batch again"
+        error = LineErrorObject(code="validation_interrupted", message=message)
+        update = {"stored": "failed", "failed_at": now, "errors": [error]}
+    else:
+        return record
+    record = record.model_copy(update=update)
+    save(conn, record, ttl_s)
+    return record
 
 
 def request_counts(counts: BatchCounts | None) -> dict[str, int]:

@@ -1,12 +1,14 @@
 """`ringq serve`'s files and the checks made before any job runs (no cluster needed: nothing is
 enqueued), through the official `openai` package; its pure helpers as tables."""
 
+import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 
 from cli.http.auth import check_bind, is_loopback, key_matches, parse_keys
+from cli.http.batch_objects import VALIDATION_TIMEOUT_S, OpenAIBatchRecord, save
 from jobs.settings import Settings, get_settings
 from tests.cli.http_serving import call, serving
 
@@ -124,3 +126,21 @@ def test_key_matching():
     assert not key_matches("c", ["a", "b"])
     assert not key_matches("", ["a"]) and not key_matches(None, ["a"])
     assert not key_matches("ab", ["a"])
+
+
+def test_a_batch_left_validating_by_a_stopped_server_fails(client, redis_conn):
+    long_ago = int(time.time()) - VALIDATION_TIMEOUT_S - 1
+    record = OpenAIBatchRecord(
+        id="batch-abandoned",
+        endpoint="/v1/chat/completions",
+        input_file_id="file-gone",
+        completion_window="24h",
+        created_at=long_ago,
+    )
+    save(redis_conn, record, ttl_s=60)
+    batch = client.batches.retrieve("batch-abandoned")
+    assert batch.status == "failed"
+    assert batch.errors.data[0].code == "validation_interrupted"
+    recent = record.model_copy(update={"id": "batch-recent", "created_at": int(time.time())})
+    save(redis_conn, recent, ttl_s=60)
+    assert client.batches.retrieve("batch-recent").status == "validating"
