@@ -7,7 +7,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from cli.http import chat, dashboard, jobs_api, openai_batches, openai_files
-from cli.http.auth import key_middleware
+from cli.http.auth import key_middleware, origin_middleware
 from cli.http.errors import install_handlers
 from jobs.settings import Settings
 
@@ -22,6 +22,7 @@ def create_app(conn: redis.Redis, settings: Settings, api_keys: Sequence[str]) -
     app.state.conn = conn
     app.state.settings = settings
     app.middleware("http")(key_middleware(list(api_keys)))
+    app.middleware("http")(origin_middleware(list(api_keys)))  # added last: runs first
     install_handlers(app)
     for module in (openai_files, openai_batches, chat, jobs_api, dashboard):
         app.include_router(module.router)

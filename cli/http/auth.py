@@ -2,7 +2,12 @@
 
 API clients send `Authorization: Bearer <key>`. A browser cannot add that header to a page it
 opens, so the dashboard is opened once as `/?key=<key>`: the key is checked and kept in an
-HttpOnly cookie that the page's own requests (fetch, EventSource) then carry."""
+HttpOnly cookie that the page's own requests (fetch, EventSource) then carry.
+
+Other web pages the same browser opens must not drive the API: a request that changes something
+(POST, DELETE) from another origin is refused, and without keys (loopback only) so is any request
+whose Host is not a loopback name, which stops DNS rebinding (evil.example resolving to
+127.0.0.1)."""
 
 import hmac
 import ipaddress
@@ -55,6 +60,33 @@ def bearer(request: Request) -> str | None:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def origin_middleware(keys: Sequence[str]) -> Callable[[Request, Handler], Awaitable[Response]]:
+    async def check_origin(request: Request, call_next: Handler) -> Response:
+        host = request.headers.get("host", "")
+        if not keys and not is_loopback(host_name(host)):
+            return _forbidden(f"Host {host!r} is not a loopback address")
+        origin = request.headers.get("origin")
+        if request.method not in SAFE_METHODS and origin and origin.split("://", 1)[-1] != host:
+            return _forbidden(f"cross-origin {request.method} from {origin} refused")
+        return await call_next(request)
+
+    return check_origin
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header: 'a:8000' -> 'a', '[::1]:8000' -> '[::1]'."""
+    if host.startswith("["):
+        return host.split("]", 1)[0] + "]"
+    return host.rsplit(":", 1)[0] if ":" in host else host
+
+
+def _forbidden(message: str) -> Response:
+    return error_response(ApiError(403, message, type_="permission_error", code="forbidden"))
 
 
 def key_middleware(keys: Sequence[str]) -> Callable[[Request, Handler], Awaitable[Response]]:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from cli.http.auth import check_bind, is_loopback, key_matches, parse_keys
+from cli.http.auth import check_bind, host_name, is_loopback, key_matches, parse_keys
 from cli.http.batch_objects import VALIDATION_TIMEOUT_S, OpenAIBatchRecord, save
 from jobs.settings import Settings, get_settings
 from tests.cli.http_serving import call, serving
@@ -144,3 +144,24 @@ def test_a_batch_left_validating_by_a_stopped_server_fails(client, redis_conn):
     recent = record.model_copy(update={"id": "batch-recent", "created_at": int(time.time())})
     save(redis_conn, recent, ttl_s=60)
     assert client.batches.retrieve("batch-recent").status == "validating"
+
+
+def test_other_web_pages_cannot_drive_the_api(client):
+    base = str(client.base_url).removesuffix("/v1/")
+    job = b'{"kind": "prefill", "document": "x", "model": "random:tiny-llama"}'
+    evil = {"Origin": "http://evil.example", "Content-Type": "text/plain"}
+    status, error, _ = call("POST", f"{base}/api/jobs", job, evil)
+    assert (status, error["error"]["code"]) == (403, "forbidden")
+    status, error, _ = call("GET", f"{base}/api/overview", headers={"Host": "evil.example"})
+    assert status == 403 and "loopback" in error["error"]["message"]
+    same_origin = {"Origin": base, "Content-Type": "application/json"}
+    status, created, _ = call("POST", f"{base}/api/jobs", job, same_origin)
+    assert status == 201, created
+
+
+@pytest.mark.parametrize(
+    ("header", "name"),
+    [("a:8000", "a"), ("a", "a"), ("[::1]:8000", "[::1]"), ("[::1]", "[::1]"), ("", "")],
+)
+def test_host_name(header, name):
+    assert host_name(header) == name
