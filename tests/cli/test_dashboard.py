@@ -40,9 +40,20 @@ def page(base_url) -> Iterator:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
             context = browser.new_context(viewport={"width": 1500, "height": 1000})
-            yield context.new_page()
+            page = context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.on("requestfailed", lambda request: note_failure(errors, request))
+            yield page
+            assert errors == [], "the page had script errors or failed requests"
         finally:
             browser.close()
+
+
+def note_failure(errors: list[str], request) -> None:
+    """A request that failed, except those a navigation aborted (polls, event streams)."""
+    if "ERR_ABORTED" not in (request.failure or ""):
+        errors.append(f"{request.url}: {request.failure}")
 
 
 @pytest.fixture
