@@ -143,11 +143,13 @@ def validate_and_enqueue(conn: redis.Redis, settings: Settings, record: OpenAIBa
     current = load(conn, record.id)
     if errors:
         update = {"stored": "failed", "failed_at": now, "errors": errors}
-    elif current.cancelling_at is not None:
-        update = {"stored": "cancelled", "cancelled_at": now}
+    elif current.cancelling_at is not None and not conn.exists(keys.batch(record.id)):
+        update = {"stored": "cancelled", "cancelled_at": now}  # cancelled before any job
     else:
         update = {"stored": "in_progress", "in_progress_at": now}
     save(conn, current.model_copy(update=update), settings.job_ttl_s)
+    if update["stored"] == "in_progress" and current.cancelling_at is not None:
+        cancel_batch(conn, record.id)  # the cancel came while its jobs were being enqueued
 
 
 def _enqueue(

@@ -165,3 +165,22 @@ def test_other_web_pages_cannot_drive_the_api(client):
 )
 def test_host_name(header, name):
     assert host_name(header) == name
+
+
+def test_a_batch_cancelled_at_once_ends_cancelled(client):
+    line = (
+        b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
+        b'{"model": "random:tiny-llama", "messages": [{"role": "user", "content": "hi"}]}}\n'
+    )
+    uploaded = client.files.create(file=("one.jsonl", line), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    deadline = time.monotonic() + 30
+    while (batch := client.batches.retrieve(batch.id)).status != "cancelled":
+        assert batch.status == "cancelling", batch.status
+        assert time.monotonic() < deadline, "still cancelling"
+        time.sleep(0.05)
+    assert batch.request_counts.completed == 0
+    assert batch.cancelled_at is not None and batch.output_file_id is None
