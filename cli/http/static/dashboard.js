@@ -143,11 +143,16 @@ function renderJobs(jobs) {
   const rows = jobs.map((job) =>
     el("tr", { "data-job-id": job.id },
       el("td", {}, jobLink(job.id)), el("td", {}, job.kind), el("td", {}, job.model || "-"),
-      el("td", {}, stateBadge(job.state)), el("td", {}, progressBar(job)),
+      el("td", {}, stateBadge(job.state)), el("td", {}, progressBar(job), waitingNote(job)),
       el("td", {}, placementText(job.placement)), el("td", {}, clock(job.created_at)),
       el("td", {}, cancelButton(job.id, job.state, refreshLists))),
   );
   fillTable("#jobs", rows, 8);
+}
+
+function waitingNote(job) {
+  const waiting = job.state === "queued" && job.waiting_reason;
+  return waiting ? el("div", { class: "note" }, `waiting: ${job.waiting_reason}`) : "";
 }
 
 function renderBatches(batches) {
@@ -229,7 +234,8 @@ function renderDetails(job) {
     ["document", job.spec ? `${job.spec.document_name} (${job.spec.document_chars} chars)` : ""],
     ["prompt", job.spec ? job.spec.prompt ?? "(default: summarise the document)" : ""],
     ["max tokens", job.spec ? job.spec.max_tokens : ""],
-    ["placement", placementText(job.placement)],
+    ["placement", placementText(job.placement) +
+      (job.placement && job.placement.reason ? ` (${job.placement.reason})` : "")],
     ["waiting", job.waiting_reason || "-"], ["error", job.error || "-"],
   ];
   const r = job.result;
