@@ -60,6 +60,11 @@ def admit_retries(job_id: str) -> str:
 GROUPS_INDEX = f"{PREFIX}:groups"  # hash: group id -> JSON {group, admitted_at} while it runs
 WARM_GROUPS = f"{PREFIX}:warm"  # hash: group id -> JSON {group, bytes_per_node} of warm groups
 
+
+def gpu_owner(host: str, gpu: str) -> str:
+    return f"{PREFIX}:gpu:{host}:{gpu}"  # the node agent that owns this GPU (expires with it)
+
+
 # `ringq serve`'s OpenAI-compatible Files and Batches (cli/http/).
 FILES_INDEX = f"{PREFIX}:files"  # sorted set: file id -> created_at
 OPENAI_BATCHES_INDEX = f"{PREFIX}:openai-batches"  # sorted set: batch id -> created_at

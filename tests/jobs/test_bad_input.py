@@ -673,7 +673,7 @@ def test_bad_jobs_fail_in_the_cluster_and_it_stays_up(cluster, corpus):
         "over-context": (JobSpec(document="x" * 17_000, **tiny), "exceeds"),
         "over-context-with-answer": (
             JobSpec(kind="generate", document="x" * 16_000, model=GOOD_MODEL, max_tokens=1000),
-            "(+1000 to generate) exceeds random:tiny-llama's context of 16384 tokens",
+            "+ 1000 to generate exceeds random:tiny-llama's context of 16384 tokens: shorten",
         ),
         "over-memory": (
             JobSpec(kind="prefill", document="A short one.", model="random:llama-3.1-8b"),
