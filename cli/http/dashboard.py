@@ -105,4 +105,6 @@ def _group_json(group: GroupSpec) -> dict[str, Any]:
         "model": group.model,
         "strategy": group.strategy,
         "nodes": group.nodes,
+        "devices": group.devices,
+        "kv_layout": group.kv_layout,
     }

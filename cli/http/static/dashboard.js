@@ -129,10 +129,11 @@ function renderNodes(overview) {
   const groups = [...overview.running_groups, ...overview.warm_groups].map((g) =>
     el("tr", {},
       el("td", { class: "mono" }, g.group_id), el("td", {}, stateBadge(g.state)),
-      el("td", {}, g.model), el("td", {}, g.strategy), el("td", {}, g.nodes.join(", ")),
+      el("td", {}, g.model), el("td", {}, `${g.strategy} (${g.kv_layout} KV)`),
+      el("td", {}, g.nodes.join(", ")), el("td", {}, (g.devices || []).join(", ") || "-"),
       el("td", {}, g.state === "running" ? jobLink(g.job_id) : "-")),
   );
-  fillTable("#groups", groups, 6);
+  fillTable("#groups", groups, 7);
 }
 
 function jobLink(jobId) {
