@@ -17,6 +17,7 @@ The first read that finds every job ended writes the files (a Redis lock keeps i
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import redis
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from cli.http.file_store import FileStore
 from jobs import keys
-from jobs.batch import BatchCounts, batch_counts, batch_results, get_batch
+from jobs.batch import BatchCounts, batch_counts, batch_results, cancel_batch, get_batch
 from jobs.errors import JobNotFoundError
 
 COMPLETION_WINDOW_S = 24 * 3600
@@ -69,6 +70,36 @@ def save(conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int) -> None:
         # Scored by the first save's time (created_at has whole seconds: batches would tie).
         pipe.zadd(keys.OPENAI_BATCHES_INDEX, {record.id: time.time()}, nx=True)
         pipe.execute()
+
+
+def change(
+    conn: redis.Redis,
+    batch_id: str,
+    ttl_s: int,
+    decide: Callable[[OpenAIBatchRecord], dict[str, Any] | None],
+) -> OpenAIBatchRecord:
+    """Apply the fields `decide` returns for the current record (None: leave it) in one
+    optimistic transaction: the creating thread, a cancel and readers never undo each other."""
+    key = keys.openai_batch(batch_id)
+    with conn.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(key)
+                raw = pipe.get(key)
+                if raw is None:
+                    raise JobNotFoundError(f"no batch {batch_id!r} (its record expired)")
+                record = OpenAIBatchRecord.model_validate_json(raw)
+                update = decide(record)
+                if update is None:
+                    pipe.unwatch()
+                    return record
+                record = record.model_copy(update=update)
+                pipe.multi()
+                pipe.set(key, record.model_dump_json(), ex=ttl_s)
+                pipe.execute()
+                return record
+            except redis.WatchError:
+                continue
 
 
 def load(conn: redis.Redis, batch_id: str) -> OpenAIBatchRecord:
@@ -120,13 +151,15 @@ def finalize(conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int) -> OpenAI
             update["error_file_id"] = files.put(
                 f"{record.id}_error.jsonl", "batch_output", _jsonl(found.errors)
             ).id
-        if record.cancelling_at is not None:
-            update |= {"stored": "cancelled", "cancelled_at": now}
-        else:
-            update |= {"stored": "completed", "completed_at": now}
-        record = record.model_copy(update=update)
-        save(conn, record, ttl_s)
-        return record
+
+        def finish(current: OpenAIBatchRecord) -> dict[str, Any] | None:
+            if current.stored != "in_progress":
+                return None
+            if current.cancelling_at is not None:
+                return update | {"stored": "cancelled", "cancelled_at": now}
+            return update | {"stored": "completed", "completed_at": now}
+
+        return change(conn, record.id, ttl_s, finish)
     finally:
         conn.delete(lock)
 
@@ -137,17 +170,28 @@ def _recover_validation(
     """A batch left `validating` by a server that stopped mid-way: in progress if its jobs were
     enqueued, failed once VALIDATION_TIMEOUT_S has passed without them."""
     now = int(time.time())
-    if conn.exists(keys.batch(record.id)):
-        update: dict[str, Any] = {"stored": "in_progress", "in_progress_at": now}
-    elif now - record.created_at > VALIDATION_TIMEOUT_S:
+    enqueued = bool(conn.exists(keys.batch(record.id)))
+    if not enqueued and now - record.created_at <= VALIDATION_TIMEOUT_S:
+        return record
+
+    def recover(current: OpenAIBatchRecord) -> dict[str, Any] | None:
+        if current.stored != "validating":
+            return None
+        if enqueued:
+            return {"stored": "in_progress", "in_progress_at": now}
         message = "validation was interrupted (the server stopped?): create the batch again"
         error = LineErrorObject(code="validation_interrupted", message=message)
-        update = {"stored": "failed", "failed_at": now, "errors": [error]}
-    else:
-        return record
-    record = record.model_copy(update=update)
-    save(conn, record, ttl_s)
+        return {"stored": "failed", "failed_at": now, "errors": [error]}
+
+    record = change(conn, record.id, ttl_s, recover)
+    cancel_if_asked(conn, record)
     return record
+
+
+def cancel_if_asked(conn: redis.Redis, record: OpenAIBatchRecord) -> None:
+    """Cancel the jobs of a batch whose cancel came while it was validating (idempotent)."""
+    if record.stored == "in_progress" and record.cancelling_at is not None:
+        cancel_batch(conn, record.id)
 
 
 def request_counts(counts: BatchCounts | None) -> dict[str, int]:

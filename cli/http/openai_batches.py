@@ -18,6 +18,8 @@ from cli.http.batch_objects import (
     LineErrorObject,
     OpenAIBatchRecord,
     batch_object,
+    cancel_if_asked,
+    change,
     load,
     save,
 )
@@ -26,7 +28,7 @@ from cli.http.errors import ApiError
 from cli.http.file_store import FileStore
 from cli.http.openai_files import page
 from jobs import keys
-from jobs.batch import cancel_batch, new_batch_id, submit_batch
+from jobs.batch import new_batch_id, submit_batch
 from jobs.batch_input import CHAT_COMPLETIONS_URL, Defaults, ParsedBatch, parse_batch_lines
 from jobs.errors import RingqError
 from jobs.settings import Settings
@@ -114,24 +116,28 @@ def retrieve(batch_id: str, conn: Conn, settings: Config) -> dict[str, Any]:
 
 @router.post("/{batch_id}/cancel")
 def cancel(batch_id: str, conn: Conn, settings: Config) -> dict[str, Any]:
-    record = load(conn, batch_id)
+    now = int(time.time())
+
+    def ask(record: OpenAIBatchRecord) -> dict[str, Any] | None:
+        if record.stored in ("failed", "completed", "cancelled") or record.cancelling_at:
+            return None
+        return {"cancelling_at": now}
+
+    record = change(conn, batch_id, settings.job_ttl_s, ask)
     if record.stored in ("failed", "completed", "cancelled"):
         raise ApiError(
             409,
             f"batch {batch_id} is {record.stored}; only a running batch can be cancelled",
             code="batch_not_cancellable",
         )
-    if record.cancelling_at is None:
-        record = record.model_copy(update={"cancelling_at": int(time.time())})
-        save(conn, record, settings.job_ttl_s)
-    if record.stored == "in_progress":
-        cancel_batch(conn, batch_id)
+    cancel_if_asked(conn, record)  # while validating, whoever moves it on cancels its jobs
     return batch_object(conn, record, settings.job_ttl_s)
 
 
 def validate_and_enqueue(conn: redis.Redis, settings: Settings, record: OpenAIBatchRecord) -> None:
     """Check every line of the input file; enqueue them all, or fail the batch naming the bad
-    lines. A cancel that came meanwhile wins: nothing is enqueued."""
+    lines. A cancel that came before the jobs were enqueued wins: none is; one that came while
+    they were being enqueued cancels them."""
     try:
         errors = _enqueue(conn, settings, record)
     except RingqError as exc:
@@ -140,16 +146,18 @@ def validate_and_enqueue(conn: redis.Redis, settings: Settings, record: OpenAIBa
         log.exception("batch %s: validation failed", record.id)
         errors = [LineErrorObject(code="server_error", message=f"{type(exc).__name__}: {exc}")]
     now = int(time.time())
-    current = load(conn, record.id)
-    if errors:
-        update = {"stored": "failed", "failed_at": now, "errors": errors}
-    elif current.cancelling_at is not None and not conn.exists(keys.batch(record.id)):
-        update = {"stored": "cancelled", "cancelled_at": now}  # cancelled before any job
-    else:
-        update = {"stored": "in_progress", "in_progress_at": now}
-    save(conn, current.model_copy(update=update), settings.job_ttl_s)
-    if update["stored"] == "in_progress" and current.cancelling_at is not None:
-        cancel_batch(conn, record.id)  # the cancel came while its jobs were being enqueued
+    enqueued = bool(conn.exists(keys.batch(record.id)))
+
+    def settle(current: OpenAIBatchRecord) -> dict[str, Any] | None:
+        if current.stored != "validating":  # a reader moved it on already
+            return None
+        if errors:
+            return {"stored": "failed", "failed_at": now, "errors": errors}
+        if current.cancelling_at is not None and not enqueued:
+            return {"stored": "cancelled", "cancelled_at": now}
+        return {"stored": "in_progress", "in_progress_at": now}
+
+    cancel_if_asked(conn, change(conn, record.id, settings.job_ttl_s, settle))
 
 
 def _enqueue(
