@@ -4,7 +4,9 @@ This is the bridge from a job to the engine. Started fresh (`python -m ring_work
 a node agent or by `ringq run`; never forked from a process that has MLX initialised."""
 
 import argparse
+import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -88,6 +90,7 @@ def run_job(
     if spec.cache_from is not None:
         cache, reused = load_cache(home, spec.cache_from, io.kept_tokens(spec.cache_from), tokens)
     report = kicking(watchdog, throttled(io, lead))
+    mx.reset_peak_memory()  # this job's peak: not the warm-up's, nor an earlier job's
     enter(io, lead, watchdog, JobState.PREFILL, len(tokens) - reused)
     prefill_started_at = time.time()
     prefill = engine.prefill(
@@ -280,16 +283,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", help="job in Redis (the service)")
     parser.add_argument("--job-file", type=Path, help="job JSON file (`ringq run`)")
     parser.add_argument("--events-file", type=Path, help="where `ringq run` reads events")
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="a node agent's spare rank: import and initialise the device now, then take the "
+        "rank's arguments from stdin",
+    )
+    parser.add_argument("--from-standby", action="store_true", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--standby" in argv:
+        handed = await_handover()
+        return 0 if handed is None else main(handed)
     args = parser.parse_args(argv)
     group = GroupSpec.model_validate_json(args.group.read_text())
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s job={group.job_id} rank={args.rank} %(message)s",
+        force=True,  # a spare rank logged before it knew its job
     )
+    if args.from_standby:
+        log.info("job %s rank %d: a spare rank took it", group.job_id, args.rank)
     settings = Settings()  # read once, at the process edge, and passed down
     exit_with_parent()
     ctx = RankContext(group, args.rank, args.group.parent, settings)
     return run_guarded(ctx, make_io(args, ctx))
+
+
+def await_handover() -> list[str] | None:
+    """A spare rank: the imports (12 s of a cold rank's start on an H200 machine, mostly
+    mlx-lm importing transformers) and the device's initialisation happen before any job needs
+    them. Then one JSON line {argv, log} on stdin makes this the rank; EOF: exit."""
+    exit_with_parent()
+    mx.eval(mx.zeros((1,)))  # creates the device context (CUDA) now
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    log.info("spare rank ready (pid %d)", os.getpid())
+    line = sys.stdin.readline()
+    if not line.strip():
+        return None
+    message = json.loads(line)
+    log_fd = os.open(message["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    return [*map(str, message["argv"]), "--from-standby"]
 
 
 def run_guarded(ctx: RankContext, io: JobIO) -> int:
