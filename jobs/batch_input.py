@@ -155,12 +155,20 @@ class LineError:
     custom_id: str | None = None  # when the line names one
 
     def skipped(self) -> SkippedLine:
+        """As kept on the batch (JSON): text that is not valid Unicode is escaped."""
         return SkippedLine(
-            line_number=self.line_number, custom_id=self.custom_id, message=self.message
+            line_number=self.line_number,
+            custom_id=_escaped(self.custom_id) if self.custom_id is not None else None,
+            message=_escaped(self.message),
         )
 
     def __str__(self) -> str:
         return f"line {self.line_number}: {self.message}"
+
+
+def _escaped(text: str) -> str:
+    """Lone surrogates (bytes that were not UTF-8) as backslash escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)

@@ -511,7 +511,7 @@ def batch_file_cases() -> list[Case]:
         Case(
             "batch-model-unknown",
             ("batch", "submit", "{d}/all-good.jsonl", "--model=nope"),
-            "line 1: model 'nope' not found",
+            "line 1: model 'nope' does not run here (see the hint). Hint: model 'nope' not found",
         ),
         Case(
             "batch-skip-invalid-all-bad",
