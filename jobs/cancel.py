@@ -11,25 +11,34 @@ import redis
 from jobs import keys
 from jobs.errors import IllegalTransitionError
 from jobs.lifecycle import FINAL_STATES, JobState
-from jobs.schemas import JobRecord
+from jobs.schemas import JobRecord, JobResult
 from jobs.store import JobStore
 
 NOT_STARTED = frozenset({JobState.QUEUED, JobState.ADMITTED})
 NOT_STARTED_REASON = "cancelled before it started"
+_NOT_STARTED_ORDER = tuple(sorted(NOT_STARTED))  # as _CANCEL_MANY takes their state indexes
 
 
-def _lua_state_set(states: Iterable[JobState]) -> str:
-    """A Lua table literal whose keys are `states` as the job hash stores them (JSON strings)."""
-    return "{" + ", ".join(f"['{json.dumps(s.value)}'] = true" for s in sorted(states)) + "}"
+def _lua_state(state: JobState) -> str:
+    """A Lua string literal of `state` as the job hash stores it (JSON)."""
+    return f"'{json.dumps(state.value)}'"
 
 
-# KEYS: n job hashes, then their n cancel flags. ARGV: now, flag ttl, reason (JSON). What
-# cancel_job does, for many jobs in one round trip: the flag, and a not-started job cancelled.
-# The state names come from JobState.
+def _lua_state_table(states: Iterable[JobState], value: str = "true") -> str:
+    """A Lua table whose keys are `states` as stored; `value` may name the 1-based position."""
+    pairs = (f"[{_lua_state(s)}] = {value.format(i)}" for i, s in enumerate(states, 1))
+    return "{" + ", ".join(pairs) + "}"
+
+
+# KEYS: n job hashes, then their n cancel flags, then the state indexes of the not-started states
+# (_NOT_STARTED_ORDER) and of cancelled jobs. ARGV: now, flag ttl, reason (JSON), the n job ids.
+# What cancel_job does, for many jobs in one round trip: the flag, and a not-started job
+# cancelled (moved between state indexes like a transition). The state names come from JobState.
 _CANCEL_MANY = Template("""
 local now, ttl, reason = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local final_states, not_started_states = $final_states, $not_started_states
-local n = #KEYS / 2
+local final_states, not_started_index = $final_states, $not_started_index
+local n = (#KEYS - $index_keys) / 2
+local cancelled_index = KEYS[#KEYS]
 local cancelled, stopping, final = 0, 0, 0
 for i = 1, n do
   local job, flag = KEYS[i], KEYS[n + i]
@@ -38,12 +47,15 @@ for i = 1, n do
     final = final + 1
   else
     redis.call('SET', flag, now, 'EX', ttl)
-    if not_started_states[state] then
+    if not_started_index[state] then
       local progress = cjson.decode(redis.call('HGET', job, 'progress'))
       progress['phase'] = '$cancelled'
       progress['updated_at'] = tonumber(now)
-      redis.call('HSET', job, 'state', '$cancelled_json', 'error', reason, 'updated_at', now,
+      redis.call('HSET', job, 'state', $cancelled_stored, 'error', reason, 'updated_at', now,
                  'progress', cjson.encode(progress))
+      local id = ARGV[3 + i]
+      redis.call('ZREM', KEYS[2 * n + not_started_index[state]], id)
+      redis.call('ZADD', cancelled_index, tonumber(redis.call('HGET', job, 'created_at')), id)
       cancelled = cancelled + 1
     else
       stopping = stopping + 1
@@ -52,10 +64,11 @@ for i = 1, n do
 end
 return {cancelled, stopping, final}
 """).substitute(
-    final_states=_lua_state_set(FINAL_STATES),
-    not_started_states=_lua_state_set(NOT_STARTED),
+    final_states=_lua_state_table(sorted(FINAL_STATES)),
+    not_started_index=_lua_state_table(_NOT_STARTED_ORDER, "{}"),
+    index_keys=len(_NOT_STARTED_ORDER) + 1,
     cancelled=JobState.CANCELLED.value,
-    cancelled_json=json.dumps(JobState.CANCELLED.value),
+    cancelled_stored=_lua_state(JobState.CANCELLED),
 )
 
 
@@ -81,9 +94,12 @@ def cancel_requested(conn: redis.Redis, job_id: str) -> bool:
     return bool(conn.exists(keys.job_cancel(job_id)))
 
 
-def mark_cancelled(store: JobStore, job_id: str, reason: str) -> bool:
-    """Move a job to `cancelled` unless it is already final. Returns whether this call did."""
-    return store.end(job_id, JobState.CANCELLED, reason)
+def mark_cancelled(
+    store: JobStore, job_id: str, reason: str, partial: JobResult | None = None
+) -> bool:
+    """Move a job to `cancelled` unless it is already final, keeping what it had generated
+    (`partial`) as its result. Returns whether this call did."""
+    return store.end(job_id, JobState.CANCELLED, reason, partial=partial)
 
 
 def cancel_many(
@@ -96,7 +112,8 @@ def cancel_many(
     for start in range(0, len(job_ids), chunk_jobs):
         chunk = job_ids[start : start + chunk_jobs]
         job_keys = [keys.job(j) for j in chunk] + [keys.job_cancel(j) for j in chunk]
-        args: list[str | int] = [str(time.time()), ttl_s, json.dumps(NOT_STARTED_REASON)]
+        job_keys += [keys.jobs_in_state(s) for s in (*_NOT_STARTED_ORDER, JobState.CANCELLED)]
+        args: list[str | int] = [str(time.time()), ttl_s, json.dumps(NOT_STARTED_REASON), *chunk]
         counts = script(keys=job_keys, args=args)
         totals = [t + int(c) for t, c in zip(totals, counts, strict=True)]
     return totals[0], totals[1], totals[2]

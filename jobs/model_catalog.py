@@ -111,6 +111,11 @@ def _find_packaged_file(name: str) -> Path:
     )
 
 
+def packaged_file(name: str) -> Path:
+    """Where a built-in model's file lies (UnknownModelError when its package is missing)."""
+    return _find_packaged_file(name)
+
+
 def model_config(source: ModelSource) -> dict[str, Any]:
     """The config mlx-lm's ModelArgs take: config.json, or rebuilt from GGUF metadata."""
     if source.format == "gguf":

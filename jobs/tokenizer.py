@@ -1,6 +1,7 @@
 """A model's tokenizer: its HF fast tokenizer, or one rebuilt from a GGUF's metadata (llama.cpp's
 byte-level BPE). No MLX here: the dispatcher tokenises every job."""
 
+import json
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
@@ -61,6 +62,23 @@ def load_tokenizer(source: ModelSource) -> ChatTokenizer:
         return _load_tokenizer_version(source, ())
     files = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json")
     return _load_tokenizer_version(source, file_version(*(source.path / f for f in files)))
+
+
+def max_token_bytes(source: ModelSource) -> int | None:
+    """An upper bound on the UTF-8 bytes one token covers: a byte-level BPE token (the GGUF
+    tokenizers we run) has a character per byte; other token texts never take fewer UTF-8
+    bytes than they stand for. None: unknown."""
+    if source.format == "random":
+        return 1  # byte-level: a token per byte
+    if source.format == "gguf":
+        return max(map(len, read_gguf(source.path).tokens), default=None)
+    else:
+        try:
+            raw = json.loads((source.path / "tokenizer.json").read_text(encoding="utf-8"))
+            tokens = tuple(raw["model"]["vocab"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in tokens), default=None)
 
 
 @lru_cache(maxsize=8)
