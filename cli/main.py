@@ -28,6 +28,7 @@ LAZY_COMMANDS = {
     "demo": "cli.services:demo",
     "node": "cli.services:node",
     "dispatcher": "cli.services:dispatcher",
+    "serve": "cli.http.serve:serve",
 }
 
 

@@ -35,8 +35,6 @@ def rank_environment(
     env = dict(os.environ)
     backend = node_backend(backend)
     env.update(rank_device_environment(local_rank, backend))
-    if backend == "cpu":  # a CPU rank on a GPU machine (its group's plan says so) sees no GPU
-        env["CUDA_VISIBLE_DEVICES"] = ""
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "openblas" not in p]
     wanted = blas != "off" and sys.platform.startswith("linux")
     openblas = find_openblas() if wanted and backend == "cpu" else None

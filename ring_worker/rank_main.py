@@ -153,7 +153,11 @@ def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
     """Join the group and load the model as its plan says; ranks of a job cancelled meanwhile
     stop together."""
     group, rank = ctx.group, ctx.rank
-    cap_device_memory(ctx.settings.rank_memory_limit_bytes)
+    on_cpu = rank < len(group.devices) and group.devices[rank] == "cpu"
+    if on_cpu:  # the plan puts this rank on CPU, GPU or not (admission.group_plan)
+        mx.set_default_device(mx.cpu)
+    else:
+        cap_device_memory(ctx.settings.rank_memory_limit_bytes)
     mx_group = join_group(group.addresses, rank, ctx.scratch_dir, group.transport)
     stop_if_cancelled(mx_group, io, "before loading the model")
     source = resolve_model(group.model)
@@ -161,7 +165,7 @@ def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
     if group.strategy == "pipeline" and group.ranks > 1:
         prune = partial(keep_stage, rank=rank, size=group.ranks)
     try:
-        model = load_for_this_device(source, prune, group.compute_dtype)
+        model = load_for_this_device(source, prune, group.compute_dtype, cpu=on_cpu or None)
     except (OSError, ValueError, RuntimeError) as exc:  # a new placement would fail the same way
         raise ModelLoadError(f"cannot load model {group.model}: {exc}") from exc
     tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
@@ -176,7 +180,7 @@ def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> None:
     chunks (the first chunk's shapes and one with a past) and two decode steps, on token 0. The
     first job then starts with compiled kernels, graphs and NCCL set up (cold vs warm in
     bench/results/h200-service/). CPU kernels need no warm-up."""
-    if not ctx.settings.warm_up or not (mx.cuda.is_available() or mx.metal.is_available()):
+    if not ctx.settings.warm_up or mx.default_device().type != mx.gpu:
         return
     started = time.perf_counter()
     prefill = engine.prefill([0] * (2 * chunk_tokens), chunk_tokens)
