@@ -31,6 +31,7 @@ from pydantic import (
     ValidationError,
 )
 
+from jobs.batch_lines import CHAT_COMPLETIONS_URL as CHAT_COMPLETIONS_URL  # re-exported
 from jobs.batch_lines import OpenAILine, PlainLine
 from jobs.errors import BatchInputError, RingqError, UnknownModelError
 from jobs.files import allowed_path, printable_name, read_at_most
