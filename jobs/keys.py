@@ -54,3 +54,4 @@ def admit_retries(job_id: str) -> str:
 
 GROUPS_INDEX = f"{PREFIX}:groups"  # hash: group id -> JSON {group, admitted_at} while it runs
 WARM_GROUPS = f"{PREFIX}:warm"  # hash: group id -> JSON {group, bytes_per_node} of warm groups
+SERVICES = f"{PREFIX}:services"  # hash: service label -> JSON ServiceStatus (`ringq up` writes)

@@ -17,6 +17,7 @@ from jobs import keys
 from jobs.lifecycle import JobState
 from jobs.reservations import Reservations
 from jobs.schemas import JobKind, NodeInfo, Placement, Progress
+from jobs.service_status import ServiceStatus, read_service_statuses
 from jobs.store import JobStore
 from jobs.submit import admit_queue, node_queue
 from jobs.warm_groups import WarmGroups
@@ -65,6 +66,7 @@ class Overview(_Row):
     reserved_bytes: dict[str, int]  # node -> bytes held by running groups' reservations
     running: list[RunningJob]
     idle_groups: list[IdleGroup] = []
+    services: list[ServiceStatus] = []  # what `ringq up` supervises: state, restarts
 
 
 def take_overview(conn: redis.Redis) -> Overview:
@@ -87,6 +89,7 @@ def take_overview(conn: redis.Redis) -> Overview:
             )
             for g, held in WarmGroups(conn).idle()
         ],
+        services=read_service_statuses(conn),
     )
 
 

@@ -131,6 +131,7 @@ def test_top_json_is_one_object(ringq, busy):
         "reserved_bytes",
         "running",
         "idle_groups",
+        "services",
     }
     assert payload["queues"][0] == {"name": "ringq:admit", "queued": 5, "started": 0}
     assert {n["name"]: n["available_bytes"] for n in payload["nodes"]} == {
