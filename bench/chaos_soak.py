@@ -83,6 +83,7 @@ class SoakConfig:
     fault_gap_s: tuple[float, float] = (3.0, 15.0)  # pause between one recovery and the next fault
     smollm2_share: float = SMOLLM2_SHARE
     documents_tokens: tuple[int, ...] = DOCUMENTS_TOKENS
+    fault_kinds: tuple[str, ...] = ()  # inject these kinds in turn; empty: at random, by weight
     timeout_s: float = 4 * 3600.0
     sample_s: float = 5.0
 
@@ -188,7 +189,7 @@ def step_faults(injector, config: SoakConfig, progress: Progress, rng, pending: 
     if not pending or len(progress.faults) >= config.faults or now_s < progress.next_fault_at_s:
         return
     try:
-        injected = injector.inject(pick_kind(rng), progress.finished)
+        injected = injector.inject(next_kind(config, progress, rng), progress.finished)
     except redis.RedisError:
         injected = None
     if injected is None:
@@ -196,6 +197,12 @@ def step_faults(injector, config: SoakConfig, progress: Progress, rng, pending: 
         return
     progress.faults.append(injected)
     progress.open_fault = injected
+
+
+def next_kind(config: SoakConfig, progress: Progress, rng: random.Random) -> str:
+    if config.fault_kinds:
+        return config.fault_kinds[len(progress.faults) % len(config.fault_kinds)]
+    return pick_kind(rng)
 
 
 def sample(conn, home: Path, started_s: float, final: int) -> dict:
