@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -163,3 +164,22 @@ class Checkpointer:
         save_prompt_cache(str(partial), caches, metadata=metadata)
         os.replace(partial, self.path)
         log.info("job %s rank %d: checkpoint at %d tokens", self.job_id, self.rank, tokens)
+
+
+def open_checkpoints(
+    home: Path, every_tokens: int, budget_bytes: int, job_id: str, layout: str, rank: int
+) -> tuple[Checkpointer | None, Resume | None]:
+    """For one rank's prefill: a Checkpointer (None when `every_tokens` is 0) and this rank's
+    checkpoint of the job in this layout, if it has one. Every rank must then agree on it
+    (`agree_on_resume`): a rank whose part is missing makes all of them start from 0."""
+    if every_tokens <= 0:
+        return None, None
+    saver = Checkpointer(home, job_id, layout, rank, every_tokens, budget_bytes)
+    return saver, read_checkpoint(home, job_id, layout, rank)
+
+
+def agree_on_resume(resume: Resume | None, gather: Callable[[int], list[int]]) -> Resume | None:
+    """`resume` if every rank's checkpoint holds the same number of tokens, else None.
+    `gather` is a collective (Engine.gather_ints): call this on every rank."""
+    counts = gather(resume.tokens if resume is not None else 0)
+    return resume if len(set(counts)) == 1 and counts[0] > 0 else None

@@ -1,5 +1,5 @@
-"""The chaos soak, short: 60 jobs through `ringq up --nodes 2` while a dispatcher, a node agent
-and ranks are killed and Redis is restarted; every invariant of the full soak must hold."""
+"""The chaos soak, short: 40 jobs through `ringq up --nodes 2` while the dispatcher, a node agent
+and a rank are killed and Redis is restarted; every invariant of the full soak must hold."""
 
 import shutil
 
@@ -13,8 +13,9 @@ from tests.helpers import short_tmp_dir
 def test_a_short_chaos_soak_loses_nothing():
     home = short_tmp_dir("ringq-chaos-")
     config = SoakConfig(
-        jobs=60,
+        jobs=40,
         faults=4,
+        fault_kinds=("dispatcher-kill", "rank-kill", "agent-kill", "redis-restart"),
         seed=1,
         fault_gap_s=(0.5, 2.0),
         smollm2_share=0.0,
@@ -23,7 +24,9 @@ def test_a_short_chaos_soak_loses_nothing():
         sample_s=2.0,
     )
     try:
-        result = run_soak(config, home, {"RINGQ_RANK_PORT_BASE": "33900"})
+        # Two small groups per node at a time: fewer processes started, more warm groups reused.
+        env = {"RINGQ_RANK_PORT_BASE": "33900", "RINGQ_NODE_MEMORY_LIMIT_GIB": "0.6"}
+        result = run_soak(config, home, env)
     finally:
         shutil.rmtree(home, ignore_errors=True)
     assert result["faults_injected"] == 4, result["faults"]

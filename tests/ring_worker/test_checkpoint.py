@@ -10,9 +10,12 @@ from mlx_lm.models.cache import KVCache
 
 from ring_worker.checkpoint import (
     Checkpointer,
+    Resume,
+    agree_on_resume,
     checkpoint_bytes,
     checkpoint_dir,
     delete_checkpoints,
+    open_checkpoints,
     read_checkpoint,
     saved_tokens,
 )
@@ -66,6 +69,19 @@ def test_checkpoints_over_the_disk_budget_are_skipped(short_tmp_path):
     saver.save(filled_cache(64), 64, {})
     saver.close()
     assert saver.skipped == 1 and checkpoint_bytes(short_tmp_path) == 0
+
+
+@pytest.mark.parametrize(
+    ("counts", "agreed"),
+    [([128, 128], True), ([128, 0], False), ([0, 0], False), ([128, 256], False)],
+)
+def test_ranks_resume_only_when_every_part_holds_the_same_tokens(counts, agreed):
+    resume = Resume([], counts[0], {})
+    assert (agree_on_resume(resume, lambda mine: counts) is resume) is agreed
+
+
+def test_checkpoints_are_off_at_zero_tokens(short_tmp_path):
+    assert open_checkpoints(short_tmp_path, 0, 1 << 30, "j", "single-1", 0) == (None, None)
 
 
 def test_deleting_a_jobs_checkpoints_frees_their_bytes(short_tmp_path):
