@@ -168,6 +168,7 @@ class Verdict:
     lost: list[str]  # never reached a final state, or finished without a result
     completed_twice: list[str]
     text_mismatches: list[str]
+    without_reference: list[str]  # finished, but the reference run of their spec failed
     states: dict[str, int]
     failed_errors: list[str]
 
@@ -179,19 +180,25 @@ def check_jobs(
     runs = completions_by_job(home)
     lost = [r.id for r in records if not r.state.is_final or _finished_empty(r)]
     twice = [r.id for r in records if runs[r.id] > 1]
+    compared = [
+        r
+        for r in records
+        if r.state == JobState.FINISHED and r.result is not None and r.spec.temperature == 0
+    ]
+    unreferenced = [r.id for r in compared if spec_key(r.spec) not in reference]
     mismatched = [
         r.id
-        for r in records
-        if r.state == JobState.FINISHED
+        for r in compared
+        if spec_key(r.spec) in reference
         and r.result is not None
-        and r.spec.temperature == 0
-        and r.result.text != reference.get(spec_key(r.spec))
+        and r.result.text != reference[spec_key(r.spec)]
     ]
     return Verdict(
         final=sum(r.state.is_final for r in records),
         lost=lost,
         completed_twice=twice,
         text_mismatches=mismatched,
+        without_reference=unreferenced,
         states=dict(Counter(r.state.value for r in records)),
         failed_errors=[f"{r.id}: {r.error}" for r in records if r.state == JobState.FAILED],
     )
