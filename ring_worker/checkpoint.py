@@ -8,6 +8,7 @@ to a temporary file and renames it over the previous checkpoint, so a crash mid-
 the older one whole. Checkpoints count against a disk budget and are deleted when the job ends.
 """
 
+import contextlib
 import logging
 import os
 import queue
@@ -183,3 +184,37 @@ def agree_on_resume(resume: Resume | None, gather: Callable[[int], list[int]]) -
     `gather` is a collective (Engine.gather_ints): call this on every rank."""
     counts = gather(resume.tokens if resume is not None else 0)
     return resume if len(set(counts)) == 1 and counts[0] > 0 else None
+
+
+def start_checkpoints(
+    home: Path,
+    every_tokens: int,
+    budget_bytes: int,
+    job_id: str,
+    layout: str,
+    rank: int,
+    gather: Callable[[int], list[int]],
+) -> tuple[Checkpointer | None, Resume | None]:
+    """What one rank's prefill needs: a Checkpointer (None when off) and the checkpoint all
+    ranks agree to continue from (None: from the start). Call on every rank of the group."""
+    saver, mine = open_checkpoints(home, every_tokens, budget_bytes, job_id, layout, rank)
+    if saver is None:
+        return None, None
+    resume = agree_on_resume(mine, gather)
+    if resume is not None:
+        log.info(
+            "job %s rank %d: resuming from the checkpoint at %d tokens", job_id, rank, resume.tokens
+        )
+    return saver, resume
+
+
+def end_checkpoints(saver: Checkpointer | None, keep: bool) -> None:
+    """After the prefill: wait for the writer, and delete this rank's part unless `keep` (the
+    prefill failed and a retry may continue from it)."""
+    if saver is None:
+        return
+    saver.close()
+    if not keep:
+        saver.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # another rank's part may still be there
+            saver.path.parent.rmdir()

@@ -15,9 +15,11 @@ from ring_worker.checkpoint import (
     checkpoint_bytes,
     checkpoint_dir,
     delete_checkpoints,
+    end_checkpoints,
     open_checkpoints,
     read_checkpoint,
     saved_tokens,
+    start_checkpoints,
 )
 from ring_worker.engine import Engine
 from ring_worker.group import free_loopback_ports
@@ -82,6 +84,25 @@ def test_ranks_resume_only_when_every_part_holds_the_same_tokens(counts, agreed)
 
 def test_checkpoints_are_off_at_zero_tokens(short_tmp_path):
     assert open_checkpoints(short_tmp_path, 0, 1 << 30, "j", "single-1", 0) == (None, None)
+
+
+def test_a_rank_deletes_its_part_when_its_prefill_is_done(short_tmp_path):
+    savers = [
+        start_checkpoints(short_tmp_path, 64, 1 << 30, "j", "ring-2", rank, lambda m: [m, m])[0]
+        for rank in range(2)
+    ]
+    for saver in savers:
+        assert saver is not None
+        saver.save(filled_cache(64), 64, {})
+    end_checkpoints(savers[0], keep=True)
+    end_checkpoints(savers[1], keep=False)
+    assert [p.name for p in checkpoint_dir(short_tmp_path, "j").iterdir()] == [
+        "ring-2-rank0.safetensors"
+    ]
+    resumed = start_checkpoints(short_tmp_path, 64, 1 << 30, "j", "ring-2", 0, lambda m: [m, 0])
+    assert resumed[1] is None  # rank 1's part is gone: both start from 0
+    end_checkpoints(resumed[0], keep=False)
+    assert not checkpoint_dir(short_tmp_path, "j").exists()
 
 
 def test_deleting_a_jobs_checkpoints_frees_their_bytes(short_tmp_path):
