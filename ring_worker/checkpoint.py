@@ -194,12 +194,17 @@ def start_checkpoints(
     layout: str,
     rank: int,
     gather: Callable[[int], list[int]],
+    chunk_tokens: int,
+    total_tokens: int,
 ) -> tuple[Checkpointer | None, Resume | None]:
     """What one rank's prefill needs: a Checkpointer (None when off) and the checkpoint all
-    ranks agree to continue from (None: from the start). Call on every rank of the group."""
+    ranks agree to continue from (None: from the start; also when it is not on a boundary of
+    this run's chunks). Call on every rank of the group."""
     saver, mine = open_checkpoints(home, every_tokens, budget_bytes, job_id, layout, rank)
     if saver is None:
         return None, None
+    if mine is not None and (mine.tokens % chunk_tokens or mine.tokens >= total_tokens):
+        mine = None
     resume = agree_on_resume(mine, gather)
     if resume is not None:
         log.info(

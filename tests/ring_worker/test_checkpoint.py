@@ -88,7 +88,9 @@ def test_checkpoints_are_off_at_zero_tokens(short_tmp_path):
 
 def test_a_rank_deletes_its_part_when_its_prefill_is_done(short_tmp_path):
     savers = [
-        start_checkpoints(short_tmp_path, 64, 1 << 30, "j", "ring-2", rank, lambda m: [m, m])[0]
+        start_checkpoints(
+            short_tmp_path, 64, 1 << 30, "j", "ring-2", rank, lambda m: [m, m], 64, 1000
+        )[0]
         for rank in range(2)
     ]
     for saver in savers:
@@ -99,7 +101,19 @@ def test_a_rank_deletes_its_part_when_its_prefill_is_done(short_tmp_path):
     assert [p.name for p in checkpoint_dir(short_tmp_path, "j").iterdir()] == [
         "ring-2-rank0.safetensors"
     ]
-    resumed = start_checkpoints(short_tmp_path, 64, 1 << 30, "j", "ring-2", 0, lambda m: [m, 0])
+    both = start_checkpoints(
+        short_tmp_path, 64, 1 << 30, "j", "ring-2", 0, lambda m: [m, m], 64, 99
+    )
+    assert both[1] is not None and both[1].tokens == 64
+    end_checkpoints(both[0], keep=True)
+    other_chunks = start_checkpoints(
+        short_tmp_path, 64, 1 << 30, "j", "ring-2", 0, lambda m: [m, m], 48, 99
+    )
+    assert other_chunks[1] is None  # 64 tokens is no boundary of 48-token chunks
+    end_checkpoints(other_chunks[0], keep=True)
+    resumed = start_checkpoints(
+        short_tmp_path, 64, 1 << 30, "j", "ring-2", 0, lambda m: [m, 0], 64, 99
+    )
     assert resumed[1] is None  # rank 1's part is gone: both start from 0
     end_checkpoints(resumed[0], keep=False)
     assert not checkpoint_dir(short_tmp_path, "j").exists()
