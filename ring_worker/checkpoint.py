@@ -207,6 +207,7 @@ def start_checkpoints(
         mine = None
     resume = agree_on_resume(mine, gather)
     if resume is not None:
+        saver.saved_tokens = resume.tokens  # the next checkpoint is due `every_tokens` later
         log.info(
             "job %s rank %d: resuming from the checkpoint at %d tokens", job_id, rank, resume.tokens
         )

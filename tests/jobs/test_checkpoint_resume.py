@@ -5,6 +5,8 @@ uninterrupted run's, and no checkpoint is left once it has finished."""
 import os
 import signal
 
+import pytest
+
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
 from jobs.schemas import JobKind, JobSpec, Sharding
@@ -24,6 +26,7 @@ ENV = {
 }
 
 
+@pytest.mark.slow
 def test_a_retried_ring_prefill_continues_from_its_checkpoint():
     spec = JobSpec(
         kind=JobKind.GENERATE,
