@@ -67,6 +67,7 @@ def admit_retries(job_id: str) -> str:
 
 GROUPS_INDEX = f"{PREFIX}:groups"  # hash: group id -> JSON TrackedGroup while it runs
 WARM_GROUPS = f"{PREFIX}:warm"  # hash: group id -> JSON WarmGroup while it may take jobs
+SERVICES = f"{PREFIX}:services"  # hash: service label -> JSON ServiceStatus (`ringq up` writes)
 
 
 def gpu_owner(host: str, gpu: str) -> str:

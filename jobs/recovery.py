@@ -137,6 +137,21 @@ def track_group(conn: redis.Redis, group: GroupSpec) -> None:
     conn.hset(keys.GROUPS_INDEX, group.group_id, entry.model_dump_json())
 
 
+_FORGET_IF_UNCHANGED = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
+def forget_group(conn: redis.Redis, group_id: str, seen: bytes | str) -> bool:
+    """Stop watching a group whose job moved on, unless its entry changed since it was read
+    as `seen`: a warm group handed its next job meanwhile is tracked again for that job (the
+    chaos soak found a job stuck for good after the entry for its job was dropped this way)."""
+    return bool(conn.eval(_FORGET_IF_UNCHANGED, 1, keys.GROUPS_INDEX, group_id, seen))
+
+
 def current_job(conn: redis.Redis, group_id: str, default: str) -> str:
     """The job a group runs now: a warm group runs one job after another."""
     raw = conn.hget(keys.GROUPS_INDEX, group_id)
@@ -191,14 +206,14 @@ def reconcile(conn: redis.Redis, settings: Settings) -> list[str]:
         try:
             record = store.get(group.job_id)
         except JobNotFoundError:
-            conn.hdel(keys.GROUPS_INDEX, group_id)
+            forget_group(conn, group_id, raw)
             continue
         if (
             record.state.is_final
             or record.placement is None
             or (record.placement.group_id != group_id)
         ):
-            conn.hdel(keys.GROUPS_INDEX, group_id)
+            forget_group(conn, group_id, raw)
             continue
         reason = why_lost(conn, settings, group, live, entry.admitted_at)
         if reason is not None:

@@ -135,6 +135,7 @@ def test_top_json_is_one_object(ringq, busy):
         "idle_groups",
         "queued",
         "queued_total",
+        "services",
     }
     assert [job["id"] for job in payload["queued"]] == ["job-2", "job-3"]  # oldest first
     assert payload["queued_total"] == 2

@@ -12,6 +12,8 @@ from jobs import keys
 from jobs.errors import StaleGroupError
 from jobs.lifecycle import JobState
 from jobs.recovery import (
+    current_job,
+    forget_group,
     lose_group,
     reconcile,
     report_group_failure,
@@ -205,6 +207,19 @@ def test_the_reconciler_forgets_groups_whose_job_ended(store, settings):
     place(store, job, "g1")
     store.fail(job, "done with it")
     assert reconcile(store.conn, settings) == []
+    assert store.conn.hlen(keys.GROUPS_INDEX) == 0
+
+
+def test_a_group_entry_changed_since_it_was_read_is_not_forgotten(store, settings):
+    """The reconciler read a warm group's entry for its finished job; the dispatcher then
+    handed the group its next job. Dropping the entry now would leave that job unwatched."""
+    first, second = new_job(store, "j1"), new_job(store, "j2")
+    group = place(store, first, "g1")
+    seen = store.conn.hget(keys.GROUPS_INDEX, "g1")
+    track_group(store.conn, group.model_copy(update={"job_id": second}))
+    assert not forget_group(store.conn, "g1", seen)
+    assert current_job(store.conn, "g1", first) == second
+    assert forget_group(store.conn, "g1", store.conn.hget(keys.GROUPS_INDEX, "g1"))
     assert store.conn.hlen(keys.GROUPS_INDEX) == 0
 
 
