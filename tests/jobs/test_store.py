@@ -6,7 +6,6 @@ import pytest
 import redis
 
 from jobs import keys
-
 from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundError
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
