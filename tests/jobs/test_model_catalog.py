@@ -21,7 +21,6 @@ from jobs.model_catalog import (
 )
 
 
-
 @pytest.fixture(scope="module")
 def smollm2() -> ModelSource:
     return resolve_model("smollm2")
