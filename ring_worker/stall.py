@@ -7,6 +7,8 @@ placed on that group), what the rank reports (the state and its progress record)
 within RINGQ_STALL_TIMEOUT_S. Entering LOADING counts as a report; while loading, the limit is
 the rank watchdog's loading one (loading weights sends no progress). Past the limit the rank is
 lost: the agent reports its group lost through jobs.recovery (the job is retried) and kills it.
+The agent gives a rank that still runs WATCHDOG_GRACE_S more, for the rank's own watchdog (same
+limit, polled every second at most) to report first, with its thread stacks in the rank's log.
 
 Changes are timed on the agent's own monotonic clock, so clock skew between machines (rank 0 may
 write from another node) does not matter.
@@ -28,6 +30,7 @@ from ring_worker.watchdog import loading_timeout_s
 
 log = logging.getLogger(__name__)
 STARTED_STATES = frozenset({JobState.LOADING, JobState.PREFILL, JobState.DECODE})
+WATCHDOG_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class StallWatch:
         if record.state == JobState.LOADING:
             limit_s = loading_timeout_s(limit_s)
         quiet_s = now - seen.since_s
-        if quiet_s <= limit_s:
+        if quiet_s <= limit_s + WATCHDOG_GRACE_S:
             return None
         return (
             f"reported no progress for {quiet_s:.0f} s in {record.state} (limit {limit_s:g} s, "

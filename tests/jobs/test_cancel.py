@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -145,9 +144,17 @@ def finished_record(store: JobStore, job_id: str) -> JobRecord:
 
 
 def assert_group_ended_cleanly(store: JobStore, placement: Placement) -> None:
-    wait_for(lambda: not rank_processes(placement.group_id), "the ranks to exit")
-    time.sleep(0.5)  # node agents reap exited ranks every 0.2 s; a non-zero exit marks the group
-    assert not store.conn.exists(keys.group_failed(placement.group_id))
+    """No rank exited non-zero. A node agent reaps an exited rank in its monitor pass: it
+    releases the rank's reservation, then (non-zero exits only) marks the group failed. So wait
+    for every release, not for a guess at how long a pass takes on a loaded machine."""
+    group_id = placement.group_id
+    wait_for(lambda: not rank_processes(group_id), "the ranks to exit")
+
+    def reaped() -> bool:
+        return not any(store.conn.hexists(keys.node_reserved(n), group_id) for n in placement.nodes)
+
+    wait_for(reaped, "the node agents to reap the ranks")
+    assert not store.conn.exists(keys.group_failed(group_id))
 
 
 def ringq(*args: str, url: str) -> subprocess.CompletedProcess:

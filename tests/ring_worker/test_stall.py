@@ -17,11 +17,12 @@ from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import admit_queue
 from ring_worker.node_agent import NodeAgent
-from ring_worker.stall import StallWatch
+from ring_worker.stall import WATCHDOG_GRACE_S, StallWatch
 from ring_worker.watchdog import loading_timeout_s
 from tests.helpers import in_prefill, wait_for
 
 STALL_TIMEOUT_S = 2.0
+LIMIT_S = STALL_TIMEOUT_S + WATCHDOG_GRACE_S  # the rank's own watchdog has the first word
 
 
 @pytest.fixture
@@ -78,17 +79,17 @@ def test_a_started_job_without_reports_for_the_timeout_is_stalled(store, setting
     assert watch.check(group) is None  # admitted: the rank has not started the job
     store.transition("j1", JobState.LOADING)  # the rank reports loading: the clock starts
     assert watch.check(group) is None
-    clock.now_s += STALL_TIMEOUT_S + 1
+    clock.now_s += LIMIT_S + 1
     assert watch.check(group) is None  # loading has the rank watchdog's longer limit
     clock.now_s += loading_timeout_s(STALL_TIMEOUT_S)
     assert "no progress" in (watch.check(group) or "")
     store.transition("j1", JobState.PREFILL, progress=Progress(phase="prefill", total=9))
     for processed in range(1, 4):  # progress reports keep it alive, however long it all takes
-        clock.now_s += STALL_TIMEOUT_S - 0.1
+        clock.now_s += LIMIT_S - 0.1
         assert watch.check(group) is None
         store.set_progress("j1", Progress(phase="prefill", processed=processed, total=9))
         assert watch.check(group) is None
-    clock.now_s += STALL_TIMEOUT_S - 0.1
+    clock.now_s += LIMIT_S - 0.1
     assert watch.check(group) is None
     clock.now_s += 0.2
     reason = watch.check(group)
@@ -138,7 +139,7 @@ def test_the_agent_loses_a_stopped_single_rank_group_and_the_job_is_retried(
         record = wait_for(
             lambda: retried_after_a_pass(agent, store, "j1"),
             "the agent to find the rank stalled",
-            timeout_s=30 + STALL_TIMEOUT_S,
+            timeout_s=30 + LIMIT_S,
         )
     finally:
         os.kill(rank.process.pid, signal.SIGCONT)
