@@ -142,7 +142,8 @@ def test_the_agent_loses_a_stopped_single_rank_group_and_the_job_is_retried(
             timeout_s=30 + LIMIT_S,
         )
     finally:
-        os.kill(rank.process.pid, signal.SIGCONT)
+        if rank.process.poll() is None:  # still ours (not reaped): never signal a reused pid
+            os.kill(rank.process.pid, signal.SIGCONT)
     assert record.state == JobState.QUEUED and record.placement is None
     [reason] = record.retry_reasons
     assert reason.startswith("rank 0 on node n0 reported no progress for") and "prefill" in reason
