@@ -41,6 +41,10 @@ def cancel_cluster() -> Iterator[LocalCluster]:
         "RINGQ_PREFILL_CHUNK_TOKENS": "128",
         "RINGQ_RANK_PORT_BASE": "31200",
         "RINGQ_GROUP_IDLE_S": "0",  # groups end with their job (test_warm_groups keeps them)
+        # Nodes stay placeable for 2 x 10 + 1 s after their last heartbeat: agents SIGSTOPped
+        # while the dispatcher admits a job must still count as live on a loaded machine.
+        "RINGQ_NODE_HEARTBEAT_S": "10",
+        "RINGQ_NODE_TTL_S": "60",
     }
     with private_cluster("cancel", env) as running:
         yield running
