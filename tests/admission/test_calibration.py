@@ -12,7 +12,8 @@ from typing import cast
 
 import pytest
 
-from admission.estimate import KVLayout, Layout, Strategy, estimate_node_bytes
+from admission.estimate import Layout, estimate_node_bytes
+from admission.vocabulary import KVLayout, Strategy
 from jobs.model_catalog import read_model_shape, resolve_model
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"

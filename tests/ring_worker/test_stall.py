@@ -43,29 +43,34 @@ class Clock:
         return self.now_s
 
 
-def placement_on(group_id: str) -> str:
+def placement_on(group_id: str, chunk_tokens: int = 64) -> str:
     placement = Placement(
-        strategy="single", ring_size=1, nodes=["n0"], group_id=group_id, bytes_per_node=1
+        strategy="single",
+        ring_size=1,
+        nodes=["n0"],
+        group_id=group_id,
+        bytes_per_node=1,
+        chunk_tokens=chunk_tokens,
     )
     return placement.model_dump_json()
 
 
-def placed_job(store: JobStore, group: GroupSpec) -> None:
+def placed_job(store: JobStore, group: GroupSpec, chunk_tokens: int = 64) -> None:
     """What the dispatcher does at admission, minus starting the ranks."""
     store.create(group.job_id, JobSpec(kind=JobKind.PREFILL, document="x", model=group.model))
     store.transition(group.job_id, JobState.ADMITTED)
-    store.conn.hset(keys.job(group.job_id), "placement", placement_on(group.group_id))
+    placement = placement_on(group.group_id, chunk_tokens)
+    store.conn.hset(keys.job(group.job_id), "placement", placement)
     track_group(store.conn, group)
 
 
-def group_of(job_id: str, group_id: str, model: str = "random:tiny-llama", chunk: int = 64):
+def group_of(job_id: str, group_id: str, model: str = "random:tiny-llama") -> GroupSpec:
     return GroupSpec(
         group_id=group_id,
         job_id=job_id,
         model=model,
         nodes=["n0"],
         addresses=["127.0.0.1:0"],
-        chunk_tokens=chunk,
         strategy="single",
     )
 
@@ -128,8 +133,8 @@ def agent(redis_conn, redis_url, settings) -> Iterator[NodeAgent]:
 def test_the_agent_loses_a_stopped_single_rank_group_and_the_job_is_retried(
     agent, store, tiny_llama_dir
 ):
-    group = group_of("j1", "g1", model=str(tiny_llama_dir), chunk=16)
-    placed_job(store, group)
+    group = group_of("j1", "g1", model=str(tiny_llama_dir))
+    placed_job(store, group, chunk_tokens=16)
     store.set_tokens("j1", [10 + i % 900 for i in range(6000)])  # 375 chunks of 16
     assert agent.start_rank(group, 0)
     [rank] = agent.ranks
