@@ -40,9 +40,9 @@ def test_a_group_is_reserved_on_every_node_or_on_none(reservations):
 def test_an_unrenewed_lease_expires_and_a_renewed_one_does_not(redis_conn):
     lease_s = 1.0
     short = Reservations(redis_conn, lease_s=lease_s)
+    reserved_at = time.monotonic()  # before: the lease runs from inside reserve()
     assert short.reserve("crashed", {"n0": (1, 10)}) is None
     assert short.reserve("alive", {"n0": (1, 10)}) is None
-    reserved_at = time.monotonic()
     # Renew "alive" until "crashed" expires: gaps between renewals may stretch to most of the
     # lease on a loaded machine and "alive" still lives.
     while short.reserved_bytes("n0") == 2:
