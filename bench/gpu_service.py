@@ -78,6 +78,19 @@ def job_row(record: JobRecord) -> dict[str, Any]:
     return row
 
 
+def wait_for_spare_ranks(logs: Path, nodes: list[str], env: dict[str, str]) -> None:
+    """A service that has been up a while has its spare ranks ready: wait for that (at most
+    60 s), so that "cold" measures a new group, not the service's own start."""
+    if env.get("RINGQ_STANDBY_RANK") == "off":
+        return
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        texts = [(logs / f"{n}-standby.log") for n in nodes]
+        if all(p.exists() and "spare rank ready" in p.read_text() for p in texts):
+            return
+        time.sleep(0.2)
+
+
 def run_length(args: argparse.Namespace, pp: int, env: dict[str, str]) -> list[dict[str, Any]]:
     """A fresh `ringq up`, one cold job and `args.warm` warm ones of `pp` tokens."""
     home = Path(tempfile.mkdtemp(prefix="ringq-gpu-service-"))
@@ -87,6 +100,7 @@ def run_length(args: argparse.Namespace, pp: int, env: dict[str, str]) -> list[d
         settings = Settings(home=home, redis_url=None)
         with LocalCluster(settings, args.nodes, extra_env=env) as cluster:
             cluster.wait_ready(timeout_s=120)
+            wait_for_spare_ranks(home / "logs", cluster.node_names, env)
             conn = connect(cluster.url)
             store = JobStore(conn)
             spec = JobSpec(

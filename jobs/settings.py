@@ -101,6 +101,11 @@ class Settings(BaseSettings):
         description="GPU groups run their kernels once while loading (two chunks, two decode "
         "steps), so the first job does not pay for compilation.",
     )
+    standby_rank: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="A node agent keeps one rank process started ahead (imports done, device "
+        "context made), so a new group starts at once; auto: on GPU and Metal nodes.",
+    )
     parent_pid: int | None = Field(
         default=None, description="Internal: `ringq up` sets it; its services exit with it."
     )
@@ -108,6 +113,11 @@ class Settings(BaseSettings):
         default=None,
         description="Internal: a node agent sets it for its ranks (the node's memory budget), "
         "so ranks sharing a GPU stay within their shares.",
+    )
+    api_keys: str | None = Field(
+        default=None,
+        description="Bearer keys of `ringq serve`'s HTTP API, comma-separated; unset: no key "
+        "needed, which `ringq serve` allows only on a loopback address.",
     )
     allowed_dirs: list[Path] | None = Field(
         default=None,
