@@ -5,6 +5,7 @@ are the same, whatever joins or leaves around it (ring_worker/batch_decode.py)."
 import functools
 import json
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import pytest
@@ -36,13 +37,15 @@ def alone(model_dir: Path, length: int, steps: int) -> tuple[list[int], list[mx.
     """Plain mlx-lm, one sequence: greedy tokens and the logits of each decode step."""
     model = model_at(model_dir)
     cache = make_prompt_cache(model)
-    token = int(mx.argmax(model(mx.array([prompt_tokens(length)]), cache=cache)[0, -1]).item())
+    token = cast(
+        int, mx.argmax(model(mx.array([prompt_tokens(length)]), cache=cache)[0, -1]).item()
+    )
     tokens, logits = [], []
     for _ in range(steps):
         tokens.append(token)
         step = model(mx.array([[token]]), cache=cache)[0, -1].astype(mx.float32)
         logits.append(step)
-        token = int(mx.argmax(step).item())
+        token = cast(int, mx.argmax(step).item())
     return tokens, logits
 
 
