@@ -70,8 +70,9 @@ class Rows:
 class SlotCache:
     """One layer's K/V for every row of a batch; mlx-lm's attention sees a KV cache."""
 
-    def __init__(self, rows: Rows):
+    def __init__(self, rows: Rows, slots: int = 1):
         self.rows = rows
+        self.slots = slots  # rows to allocate at first
         self.keys: mx.array | None = None  # (slots, kv_heads, capacity, head_dim)
         self.values: mx.array | None = None
 
@@ -101,10 +102,11 @@ class SlotCache:
             self.values[index, :, positions] = values[:, :, 0]
         return self.keys[:count, :, :end], self.values[:count, :, :end]
 
-    def put(self, row: int, keys: mx.array, values: mx.array) -> None:
-        """Copy one sequence's K/V ((1, kv_heads, length, head_dim)) into `row`."""
+    def put(self, row: int, keys: mx.array, values: mx.array, reserve_tokens: int) -> None:
+        """Copy one sequence's K/V ((1, kv_heads, length, head_dim)) into `row`, with room for
+        `reserve_tokens` positions in all."""
         length = keys.shape[2]
-        self._reserve(row + 1, length + 1, keys)
+        self._reserve(row + 1, max(reserve_tokens, length + 1), keys)
         assert self.keys is not None and self.values is not None
         self.keys[row : row + 1, :, :length] = keys
         self.values[row : row + 1, :, :length] = values
@@ -120,6 +122,7 @@ class SlotCache:
         if self.keys is None or self.values is None:
             capacity = _round_up(length, LENGTH_STEP_TOKENS)
             _, heads, _, dim = like.shape
+            slots = max(slots, self.slots)
             self.keys = mx.zeros((slots, heads, capacity, dim), like.dtype)
             self.values = mx.zeros((slots, heads, capacity, dim), like.dtype)
             return
@@ -156,19 +159,21 @@ class BatchCache:
     """Every layer's SlotCache and the rows they share: the `cache` a batched step passes to
     the model."""
 
-    def __init__(self, layers: int):
+    def __init__(self, layers: int, slots: int = 1):
         self.rows = Rows()
-        self.layers = [SlotCache(self.rows) for _ in range(layers)]
+        self.layers = [SlotCache(self.rows, slots) for _ in range(layers)]
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, prompt_cache: list[Any]) -> int:
-        """A prefilled sequence (mlx-lm KVCaches, one per layer) becomes the last row."""
+    def add(self, prompt_cache: list[Any], max_tokens: int) -> int:
+        """A prefilled sequence (mlx-lm KVCaches, one per layer) becomes the last row, with
+        room for `max_tokens` more positions."""
         row = len(self.rows)
         length = prompt_cache[0].offset
         for layer, cache in zip(self.layers, prompt_cache, strict=True):
-            layer.put(row, cache.keys[..., :length, :], cache.values[..., :length, :])
+            keys, values = cache.keys[..., :length, :], cache.values[..., :length, :]
+            layer.put(row, keys, values, length + max_tokens + 1)
         self.rows.lengths.append(length)
         self.rows.changed()
         return row

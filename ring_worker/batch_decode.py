@@ -32,15 +32,15 @@ from ring_worker.batch_cache import BatchCache
 from ring_worker.engine import Engine, PrefillResult, ProgressFn, RingEngine, StopFn
 from ring_worker.pipeline import PipelineEngine
 
+CLEAR_CACHE_STEPS = 256
 LogitsHook = Callable[[list[str], mx.array], None]  # (row keys, (rows, vocab) float32 logits)
 
 
 @dataclass(frozen=True)
 class DecodeRequest:
-    """One sequence to decode: its prefill and its own settings and callbacks."""
+    """One sequence to decode: its own settings and callbacks."""
 
     key: str
-    prefill: PrefillResult
     max_tokens: int
     temperature: float = 0.0
     stop_ids: frozenset[int] = frozenset()
@@ -83,14 +83,19 @@ def batch_decode_supported(engine: Engine) -> bool:
 class BatchDecoder:
     """Steps every sequence it holds together. `add` between steps; `step` until not `busy`."""
 
-    def __init__(self, engine: Engine, on_logits: LogitsHook | None = None):
+    def __init__(
+        self, engine: Engine, on_logits: LogitsHook | None = None, max_batch: int | None = None
+    ):
+        """`max_batch`, if known, reserves that many rows up front (growing the KV buffers later
+        copies every row)."""
         if not batch_decode_supported(engine):
             raise ValueError(f"{type(engine).__name__} with this KV layout cannot batch decode")
         self.engine = engine
         self.on_logits = on_logits
-        self.cache = BatchCache(len(engine.model.layers))
+        self.cache = BatchCache(len(engine.model.layers), max_batch or 1)
         self._rows: list[_Sequence] = []  # in cache row order
-        self._joining: list[DecodeRequest] = []
+        self._joining: list[tuple[DecodeRequest, PrefillResult]] = []
+        self._steps = 0
         self._vote: mx.array | None = None  # (2, rows): pending tokens, stop votes (lazy)
 
     @property
@@ -99,15 +104,16 @@ class BatchDecoder:
 
     @property
     def members(self) -> list[str]:
-        return [s.request.key for s in self._rows] + [r.key for r in self._joining]
+        return [s.request.key for s in self._rows] + [r.key for r, _ in self._joining]
 
-    def add(self, request: DecodeRequest) -> None:
-        """Join at the next step."""
+    def add(self, request: DecodeRequest, prefill: PrefillResult) -> None:
+        """Join at the next step. The prefill's KV is copied into the batch then; the decoder
+        keeps no reference to it (drop yours to free it)."""
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
         if request.key in self.members:
             raise ValueError(f"sequence {request.key!r} is already in the batch")
-        self._joining.append(request)
+        self._joining.append((request, prefill))
 
     def run(self) -> list[SequenceResult]:
         """Step until every sequence has left; results in the order they left."""
@@ -143,10 +149,11 @@ class BatchDecoder:
         joining, self._joining = self._joining, []
         now = time.perf_counter()
         sequences = []
-        for request in joining:
-            self.cache.add(request.prefill.cache)
+        for request, prefill in joining:
+            self.cache.add(prefill.cache, request.max_tokens)
             sequences.append(_Sequence(request, now, mx.random.key(request.seed)))
-        logits = mx.stack([r.prefill.logits for r in joining])
+        logits = mx.stack([prefill.logits for _, prefill in joining])
+        del joining
         vote = self._vote_rows(sequences, logits)
         self._rows.extend(sequences)
         self._vote = vote if self._vote is None else mx.concatenate([self._vote, vote], axis=1)
@@ -168,6 +175,9 @@ class BatchDecoder:
             sequence.rows_seen += len(self._rows)
             sequence.max_rows = max(sequence.max_rows, len(self._rows))
         mx.async_eval(vote)
+        self._steps += 1
+        if self._steps % CLEAR_CACHE_STEPS == 0:
+            mx.clear_cache()  # as mlx-lm: shapes change every step, the buffer cache fills up
         return vote
 
     def _vote_rows(self, sequences: list[_Sequence], logits: mx.array) -> mx.array:

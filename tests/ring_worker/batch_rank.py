@@ -27,12 +27,14 @@ class Entry:
 
 # A long job decodes throughout; "mid" leaves after 12 tokens and "short" (3 prompt tokens) then
 # joins the long one mid-decode in the row "mid" left, over 257+ stale positions its mask must
-# hide; "seven" and "one" join together at step 5, at lengths unlike every other row.
+# hide; "seven" and "one" join together at step 5, at lengths unlike every other row; "longer"
+# joins at step 8, longer than the buffers' capacity (they grow mid-decode).
 SCHEDULE = (
     Entry("long", 1001, 40, 0),
     Entry("mid", 257, 12, 0),
     Entry("seven", 7, 25, 5),
     Entry("one", 1, 8, 5),
+    Entry("longer", 1500, 6, 8),
     Entry("short", 3, 20, 15),
 )
 
@@ -53,7 +55,7 @@ def run_schedule(engine: Engine) -> tuple[dict[str, list[mx.array]], list[Sequen
         for entry in SCHEDULE:
             if entry.join_step == step:
                 prefill = engine.prefill(prompt_tokens(entry.prompt_tokens), CHUNK_TOKENS)
-                decoder.add(DecodeRequest(entry.key, prefill, entry.max_tokens))
+                decoder.add(DecodeRequest(entry.key, entry.max_tokens), prefill)
         results.extend(decoder.step())
         step += 1
     return seen, results
