@@ -29,13 +29,16 @@ class Rows:
         self.lengths: list[int] = []
         self._offset: int | mx.array | None = None
         self._mask: mx.array | None = None
+        self._uniform: bool | None = None  # cached: every layer asks, every step
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     @property
     def uniform(self) -> bool:
-        return len(set(self.lengths)) <= 1
+        if self._uniform is None:
+            self._uniform = len(set(self.lengths)) <= 1
+        return self._uniform
 
     @property
     def longest(self) -> int:
@@ -59,12 +62,14 @@ class Rows:
         return self._mask
 
     def changed(self) -> None:
-        self._offset = self._mask = None
+        self._offset = self._mask = self._uniform = None
 
     def advance(self) -> None:
-        """After a step: every row holds one more position."""
+        """After a step: every row holds one more position (uniform stays as it was)."""
+        uniform = self.uniform
         self.lengths = [n + 1 for n in self.lengths]
         self.changed()
+        self._uniform = uniform
 
 
 class SlotCache:
@@ -97,7 +102,7 @@ class SlotCache:
             self.keys[:count, :, at:end] = keys
             self.values[:count, :, at:end] = values
         else:
-            index, positions = mx.arange(count), mx.array(rows.lengths)
+            index, positions = mx.arange(count), rows.offset
             self.keys[index, :, positions] = keys[:, :, 0]
             self.values[index, :, positions] = values[:, :, 0]
         return self.keys[:count, :, :end], self.values[:count, :, :end]

@@ -94,26 +94,31 @@ class BatchDecoder:
         self.on_logits = on_logits
         self.cache = BatchCache(len(engine.model.layers), max_batch or 1)
         self._rows: list[_Sequence] = []  # in cache row order
-        self._joining: list[tuple[DecodeRequest, PrefillResult]] = []
         self._steps = 0
         self._vote: mx.array | None = None  # (2, rows): pending tokens, stop votes (lazy)
 
     @property
     def busy(self) -> bool:
-        return bool(self._rows or self._joining)
+        return bool(self._rows)
 
     @property
     def members(self) -> list[str]:
-        return [s.request.key for s in self._rows] + [r.key for r, _ in self._joining]
+        return [s.request.key for s in self._rows]
 
     def add(self, request: DecodeRequest, prefill: PrefillResult) -> None:
-        """Join at the next step. The prefill's KV is copied into the batch then; the decoder
-        keeps no reference to it (drop yours to free it)."""
+        """Join at the next step (call between steps, on every rank in the same order). The
+        prefill's KV is copied into the batch now and its first token sampled from its logits;
+        the decoder keeps no reference to the prefill (drop yours to free it)."""
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
         if request.key in self.members:
             raise ValueError(f"sequence {request.key!r} is already in the batch")
-        self._joining.append((request, prefill))
+        sequence = _Sequence(request, time.perf_counter(), mx.random.key(request.seed))
+        self.cache.add(prefill.cache, request.max_tokens)
+        vote = self._vote_rows([sequence], prefill.logits[None])
+        self._rows.append(sequence)
+        self._vote = vote if self._vote is None else mx.concatenate([self._vote, vote], axis=1)
+        mx.async_eval(self._vote, self.cache.state())
 
     def run(self) -> list[SequenceResult]:
         """Step until every sequence has left; results in the order they left."""
@@ -123,9 +128,8 @@ class BatchDecoder:
         return done
 
     def step(self) -> list[SequenceResult]:
-        """Admit joiners, queue one forward pass over all rows, read the previous step's tokens;
-        returns the sequences that left."""
-        self._admit()
+        """Queue one forward pass over all rows, read the previous step's tokens; returns the
+        sequences that left."""
         if not self._rows:
             return []
         upcoming = self._queue_step()
@@ -139,25 +143,6 @@ class BatchDecoder:
         results = [self._result(self._rows[row], stops[row]) for row in leaving]
         self._vote = self._drop(leaving, upcoming)
         return results
-
-    # -- joining ---------------------------------------------------------------------------
-
-    def _admit(self) -> None:
-        """Joiners take the next rows; their first tokens come from their prefill logits."""
-        if not self._joining:
-            return
-        joining, self._joining = self._joining, []
-        now = time.perf_counter()
-        sequences = []
-        for request, prefill in joining:
-            self.cache.add(prefill.cache, request.max_tokens)
-            sequences.append(_Sequence(request, now, mx.random.key(request.seed)))
-        logits = mx.stack([prefill.logits for _, prefill in joining])
-        del joining
-        vote = self._vote_rows(sequences, logits)
-        self._rows.extend(sequences)
-        self._vote = vote if self._vote is None else mx.concatenate([self._vote, vote], axis=1)
-        mx.async_eval(self._vote, self.cache.state())
 
     # -- one step --------------------------------------------------------------------------
 
