@@ -62,6 +62,7 @@ def main() -> int:
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
         },
+        "commit": git_commit(),
         "mlx": version("mlx"),
         "mlx_lm": version("mlx-lm"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -74,6 +75,16 @@ def main() -> int:
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
     return 0
+
+
+def git_commit() -> str:
+    """HEAD, with "+dirty" when the working tree differs from it."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain") else "")
 
 
 def parse_args() -> argparse.Namespace:
