@@ -133,6 +133,7 @@ def bench_single(model: Any, prompt: list[int], args: argparse.Namespace) -> dic
         ):
             run, tokens[name] = fn(model, prompt, args)
             runs[name].append(run)
+            print(f"single {name}: {run}", file=sys.stderr, flush=True)
     kept = {name: rows[1:] for name, rows in runs.items()}
     tps = {name: statistics.median(r["decode_tps"] for r in rows) for name, rows in kept.items()}
     summary = {
@@ -238,7 +239,9 @@ def profile_steps(decoder: Any) -> dict[str, float]:
 
 def bench_batch(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     one = one_at_a_time(model, prompts, args)
+    print(f"one at a time: decode {one['decode_s']:.1f} s", file=sys.stderr, flush=True)
     batched = batched_decode(model, prompts, args)
+    print(f"batched: decode {batched['decode_s']:.1f} s", file=sys.stderr, flush=True)
     generated = args.max_tokens * len(prompts)
     summary: dict[str, Any] = {
         "sequences": len(prompts),
