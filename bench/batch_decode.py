@@ -53,7 +53,7 @@ def main() -> int:
     document = load_tokenizer(resolve_model("smollm2")).encode(
         files("cli").joinpath("demo/document.md").read_text()
     )
-    prompts = make_prompts(document, args.sequences, args.prompt_tokens)
+    prompts = make_prompts(document, args.sequences, args.prompt_tokens, args.equal_lengths)
     report: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(["python -m bench.batch_decode", *sys.argv[1:]]),
@@ -96,6 +96,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk (ours)")
     parser.add_argument("--rounds", type=int, default=3, help="single-sequence rounds")
     parser.add_argument("--skip-mlx-lm-batch", action="store_true")
+    parser.add_argument(
+        "--equal-lengths", action="store_true", help="all prompts alike long: no attention mask"
+    )
     parser.add_argument("--out", type=Path)
     return parser.parse_args()
 
@@ -112,11 +115,12 @@ def reexec_with_openblas() -> None:
     os.execve(sys.executable, argv, rank_environment())
 
 
-def make_prompts(document: list[int], count: int, length: int) -> list[list[int]]:
+def make_prompts(document: list[int], count: int, length: int, equal: bool) -> list[list[int]]:
     """`count` prompts of about `length` tokens, windows of the document (tiled) at different
-    offsets; prompt i is 3 * i tokens shorter, so rows differ in length."""
+    offsets; prompt i is 3 * i tokens shorter (unless `equal`), so rows differ in length and
+    attention runs with a mask (without one when all rows have the same length)."""
     tiled = document * (2 + (length + count * 97) // len(document))
-    return [tiled[i * 97 : i * 97 + length - 3 * i] for i in range(count)]
+    return [tiled[i * 97 : i * 97 + length - (0 if equal else 3 * i)] for i in range(count)]
 
 
 # -- 1. one sequence -----------------------------------------------------------------------
