@@ -31,11 +31,12 @@ import time
 from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ring_worker.processes import find_openblas, rank_environment
 
 RESULTS = Path(__file__).parent / "results"
+BLOCK_STEPS = 8  # paired single-sequence comparison: tokens per block
 
 
 def main() -> int:
@@ -67,10 +68,12 @@ def main() -> int:
         "mlx_lm": version("mlx-lm"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
     }
-    report["single"] = bench_single(model, prompts[0], args)
-    print(json.dumps(report["single"]["summary"], indent=1), flush=True)
-    report["batch"] = bench_batch(model, prompts, args)
-    print(json.dumps(report["batch"]["summary"], indent=1), flush=True)
+    if args.part in ("all", "single"):
+        report["single"] = bench_single(model, prompts[0], args)
+        print(json.dumps(report["single"]["summary"], indent=1), flush=True)
+    if args.part in ("all", "batch"):
+        report["batch"] = bench_batch(model, prompts, args)
+        print(json.dumps(report["batch"]["summary"], indent=1), flush=True)
     out = args.out or RESULTS / f"batch-decode-{backend}.json"
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
@@ -95,6 +98,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk (ours)")
     parser.add_argument("--rounds", type=int, default=3, help="single-sequence rounds")
+    parser.add_argument("--part", choices=["all", "single", "batch"], default="all")
     parser.add_argument("--skip-mlx-lm-batch", action="store_true")
     parser.add_argument(
         "--equal-lengths", action="store_true", help="all prompts alike long: no attention mask"
@@ -150,7 +154,60 @@ def bench_single(model: Any, prompt: list[int], args: argparse.Namespace) -> dic
             for key in ("build_ms", "dispatch_ms", "wait_ms", "read_ms")
         },
     }
+    summary["paired_blocks"] = paired_blocks(model, prompt, args)
     return {"summary": summary, "runs": runs}
+
+
+def paired_blocks(model: Any, prompt: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """mlx-lm's generate_step and a BatchDecoder of one, alive side by side, decoding in
+    alternating blocks of BLOCK_STEPS tokens (each block ends synchronised): a shared machine's
+    load then touches both alike. A block's first step (refilling the pipeline) is not timed."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step, generation_stream
+
+    from ring_worker.batch_decode import BatchDecoder, DecodeRequest
+    from ring_worker.engine import Engine
+
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=args.max_tokens, prefill_step_size=args.chunk_tokens
+    )
+    engine = Engine(model)
+    decoder = BatchDecoder(engine, max_batch=1)
+    decoder.add(DecodeRequest("one", args.max_tokens), engine.prefill(prompt, args.chunk_tokens))
+    seconds: dict[str, list[float]] = {"mlx_lm": [], "batch_of_1": []}
+    tokens: dict[str, list[int]] = {"mlx_lm": [], "batch_of_1": []}
+    ours: list[Any] = []
+
+    def mlx_lm_step() -> bool:
+        tokens["mlx_lm"].append(cast(int, next(steps)[0]))  # typed as an array, yields an int
+        return len(tokens["mlx_lm"]) < args.max_tokens
+
+    def our_step() -> bool:
+        ours.extend(decoder.step())
+        return decoder.busy
+
+    going = {"mlx_lm": True, "batch_of_1": True}
+    while any(going.values()):
+        for name, step, stream in (
+            ("mlx_lm", mlx_lm_step, generation_stream),
+            ("batch_of_1", our_step, mx.default_stream(mx.default_device())),
+        ):
+            for index in range(BLOCK_STEPS):
+                if not going[name]:
+                    break
+                started = time.perf_counter()
+                going[name] = step()
+                if index:
+                    seconds[name].append(time.perf_counter() - started)
+            mx.synchronize(stream)
+    tokens["batch_of_1"] = ours[0].tokens
+    tps = {name: len(s) / sum(s) for name, s in seconds.items()}
+    return {
+        "decode_tps": tps,
+        "batch_of_1_vs_mlx_lm": tps["batch_of_1"] / tps["mlx_lm"],
+        "median_step_ms": {name: 1e3 * statistics.median(s) for name, s in seconds.items()},
+        "same_tokens": tokens["mlx_lm"] == tokens["batch_of_1"],
+    }
 
 
 def rate(stamps: list[float]) -> float:
