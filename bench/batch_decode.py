@@ -97,7 +97,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk (ours)")
-    parser.add_argument("--rounds", type=int, default=3, help="single-sequence rounds")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="single-sequence rounds (0: the paired blocks only)"
+    )
     parser.add_argument("--part", choices=["all", "single", "batch"], default="all")
     parser.add_argument("--skip-mlx-lm-batch", action="store_true")
     parser.add_argument(
@@ -131,6 +133,8 @@ def make_prompts(document: list[int], count: int, length: int, equal: bool) -> l
 
 
 def bench_single(model: Any, prompt: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    if not args.rounds:  # the paired comparison only
+        return {"summary": {"paired_blocks": paired_blocks(model, prompt, args)}}
     runs: dict[str, list[dict[str, float]]] = {"mlx_lm": [], "engine": [], "batch_of_1": []}
     tokens: dict[str, list[int]] = {}
     for _ in range(args.rounds + 1):  # the first round warms up and is dropped
