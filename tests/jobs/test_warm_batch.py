@@ -7,15 +7,12 @@ from jobs.warm_groups import WarmGroups, idle_key, next_key
 
 
 def two_ranks(group_id: str = "g1") -> GroupSpec:
-    return GroupSpec.model_validate(
-        {
-            "group_id": group_id,
-            "job_id": "first",
-            "model": "smollm2",
-            "addresses": ["127.0.0.1:1", "127.0.0.1:2"],
-            "nodes": ["n0", "n1"],
-            "chunk_tokens": 64,
-        }
+    return GroupSpec(
+        group_id=group_id,
+        job_id="first",
+        model="smollm2",
+        addresses=["127.0.0.1:1", "127.0.0.1:2"],
+        nodes=["n0", "n1"],
     )
 
 
