@@ -337,6 +337,8 @@ def bench_batch(model: Any, prompts: list[list[int]], args: argparse.Namespace) 
         summary["decode_tps"]["batched"] / summary["decode_tps"]["one_at_a_time"]
     )
     if not args.skip_mlx_lm_batch:
+        summary["paired_blocks_vs_batch_generator"] = paired_batch_blocks(model, prompts, args)
+        print(json.dumps(summary["paired_blocks_vs_batch_generator"]), file=sys.stderr, flush=True)
         mlx_lm = mlx_lm_batch(model, prompts, args)
         summary["mlx_lm_batch_generate"] = {k: v for k, v in mlx_lm.items() if k != "tokens"}
         summary["mlx_lm_same_tokens"] = sum(
@@ -349,6 +351,74 @@ def bench_batch(model: Any, prompts: list[list[int]], args: argparse.Namespace) 
             mlx_lm["wall_s"] / summary["end_to_end_s"]["batched"]
         )
     return {"summary": summary, "one_at_a_time": one, "batched": batched}
+
+
+def paired_batch_blocks(
+    model: Any, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """mlx-lm's BatchGenerator and a BatchDecoder holding the same prefilled prompts, alive side
+    by side, decode steps in alternating blocks of BLOCK_STEPS (each block ends synchronised, its
+    first step untimed): decode tok/s of both under the same load."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    from ring_worker.batch_decode import BatchDecoder, DecodeRequest
+    from ring_worker.engine import Engine
+
+    count = len(prompts)
+    generator = BatchGenerator(
+        model, completion_batch_size=count, prefill_step_size=args.chunk_tokens
+    )
+    uids = generator.insert(prompts, [args.max_tokens] * count)
+    theirs: dict[int, list[int]] = {uid: [] for uid in uids}
+    while True:  # batched prefill, until every sequence decodes
+        _, generated = generator.next()
+        for response in generated:
+            theirs[response.uid].append(response.token)
+        if len(generated) == count:
+            break
+    engine = Engine(model)
+    decoder = BatchDecoder(engine, max_batch=count)
+    for index, prompt in enumerate(prompts):
+        decoder.add(
+            DecodeRequest(str(index), args.max_tokens), engine.prefill(prompt, args.chunk_tokens)
+        )
+    ours: dict[str, list[int]] = {}
+    seconds: dict[str, list[float]] = {"mlx_lm": [], "batched": []}
+
+    def mlx_lm_step() -> bool:
+        generated = generator.next_generated()
+        for response in generated:
+            theirs[response.uid].append(response.token)
+        return bool(generated) and any(r.finish_reason is None for r in generated)
+
+    def our_step() -> bool:
+        ours.update({r.key: r.tokens for r in decoder.step()})
+        return decoder.busy
+
+    going = {"mlx_lm": True, "batched": True}
+    while any(going.values()):
+        for name, step, stream in (
+            ("mlx_lm", mlx_lm_step, generator.stream),
+            ("batched", our_step, mx.default_stream(mx.default_device())),
+        ):
+            for index in range(BLOCK_STEPS):
+                if not going[name]:
+                    break
+                started = time.perf_counter()
+                going[name] = step()
+                if index:
+                    seconds[name].append(time.perf_counter() - started)
+            mx.synchronize(stream)
+    generator.close()
+    tps = {name: count * len(s) / sum(s) for name, s in seconds.items()}
+    same = sum(theirs[uid] == ours[str(i)] for i, uid in enumerate(uids))
+    return {
+        "decode_tps": tps,
+        "batched_vs_mlx_lm": tps["batched"] / tps["mlx_lm"],
+        "median_step_ms": {name: 1e3 * statistics.median(s) for name, s in seconds.items()},
+        "same_tokens": same,
+    }
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
