@@ -71,6 +71,9 @@ def main() -> int:
     if args.part in ("all", "single"):
         report["single"] = bench_single(model, prompts[0], args)
         print(json.dumps(report["single"]["summary"], indent=1), flush=True)
+    if args.part == "paired-batch":
+        report["paired_batch"] = paired_batch_blocks(model, prompts, args)
+        print(json.dumps(report["paired_batch"], indent=1), flush=True)
     if args.part in ("all", "batch"):
         report["batch"] = bench_batch(model, prompts, args)
         print(json.dumps(report["batch"]["summary"], indent=1), flush=True)
@@ -100,7 +103,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=3, help="single-sequence rounds (0: the paired blocks only)"
     )
-    parser.add_argument("--part", choices=["all", "single", "batch"], default="all")
+    parser.add_argument("--part", choices=["all", "single", "batch", "paired-batch"], default="all")
     parser.add_argument("--skip-mlx-lm-batch", action="store_true")
     parser.add_argument(
         "--equal-lengths", action="store_true", help="all prompts alike long: no attention mask"
