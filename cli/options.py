@@ -5,7 +5,7 @@ from typing import Literal
 import click
 
 from cli.common import read_document
-from jobs.schemas import JobKind, JobSpec
+from jobs.schemas import DEFAULT_GENERATE_PROMPT, JobKind, JobSpec
 from jobs.settings import get_settings
 
 
@@ -15,12 +15,26 @@ def job_options(func):
         click.option(
             "--model", default=None, help="Model name (smollm2), GGUF file or HF/MLX dir."
         ),
-        click.option("--prompt", default=None, help="Question or instruction (generate jobs)."),
+        click.option(
+            "--prompt",
+            default=None,
+            help="Question or instruction (generate jobs). Without it a generate job summarises "
+            f"the document: “{DEFAULT_GENERATE_PROMPT}”",
+        ),
         click.option(
             "--max-tokens", type=int, default=256, show_default=True, help="Tokens to generate."
         ),
         click.option(
             "--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."
+        ),
+        click.option(
+            "--stop",
+            multiple=True,
+            metavar="TEXT",
+            help="Generation ends where TEXT appears (not included); up to 4, repeat the option.",
+        ),
+        click.option(
+            "--seed", type=click.IntRange(0), default=None, help="Sampling seed (temperature > 0)."
         ),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
     ]
@@ -41,6 +55,8 @@ def build_spec(
     sharding="auto",
     keep_cache=False,
     cache_from=None,
+    stop=(),
+    seed=None,
 ) -> JobSpec:
     settings = get_settings()
     text, name = read_document(file, settings.max_document_bytes)
@@ -56,6 +72,8 @@ def build_spec(
         sharding=sharding,
         keep_cache=keep_cache,
         cache_from=cache_from,
+        stop=list(stop),
+        seed=seed,
     )
 
 
