@@ -53,6 +53,10 @@ def group_next(group_id: str, rank: int) -> str:
     return f"{PREFIX}:group:{group_id}:next:{rank}"  # list: job ids for a warm group's rank
 
 
+def group_batch(group_id: str) -> str:
+    return f"{PREFIX}:group:{group_id}:batch"  # set: job ids a warm group runs now (its batch)
+
+
 def node_reserved(name: str) -> str:
     return f"{PREFIX}:node:{name}:reserved"  # hash: group id -> bytes reserved on this node
 

@@ -31,12 +31,23 @@ class JobStore:
         self.job_ttl_s = job_ttl_s if job_ttl_s is not None else get_settings().job_ttl_s
 
     def create(self, job_id: str, spec: JobSpec) -> JobRecord:
-        if not self.conn.hsetnx(keys.job(job_id), "id", json.dumps(job_id)):
-            raise InvalidJobError(f"a job with id {job_id!r} already exists; choose another --id")
+        """One transaction (WATCH the key, check it is free, MULTI/EXEC the writes): either the
+        whole record is written or none of it (a refused write aborts them all)."""
+        key = keys.job(job_id)
         with self.conn.pipeline() as pipe:
-            [record] = self.create_in(pipe, [(job_id, spec)], time.time())
-            pipe.execute()
-        return record
+            while True:
+                try:
+                    pipe.watch(key)
+                    if pipe.exists(key):
+                        raise InvalidJobError(
+                            f"a job with id {job_id!r} already exists; choose another --id"
+                        )
+                    pipe.multi()
+                    [record] = self.create_in(pipe, [(job_id, spec)], time.time())
+                    pipe.execute()
+                    return record
+                except redis.WatchError:
+                    continue
 
     def create_in(
         self, pipe: redis.client.Pipeline, jobs: Sequence[tuple[str, JobSpec]], now: float

@@ -155,6 +155,52 @@ def test_ranks_of_a_lost_group_cannot_touch_its_retry(store, settings):
     assert store.get(job).state == JobState.FINISHED
 
 
+def result_of(prompt_tokens: int) -> JobResult:
+    return JobResult(
+        prompt_tokens=prompt_tokens,
+        generated_tokens=0,
+        prompt_tps=1.0,
+        generation_tps=0.0,
+        load_s=0.0,
+        prefill_s=1.0,
+        decode_s=0.0,
+        peak_memory_bytes=[1],
+    )
+
+
+def test_a_lost_group_cannot_finish_or_fail_its_running_retry(store, settings):
+    """The race: group g1 is lost mid-prefill but its rank 0 lives on (a stalled link that
+    recovers); the retry runs on g2 and is in PREFILL, legal to finish from, when g1's late
+    finish() and fail() arrive. Only the fence (the job's placement names g2) stops them."""
+    job = new_job(store)
+    place(store, job, "g1")
+    stale = RedisJobIO(store, job, "g1")
+    stale.enter(JobState.LOADING, 10)
+    stale.enter(JobState.PREFILL, 10)
+    assert lose_group(store.conn, settings, job, "g1", "rank 1 stalled") == "retried"
+    store.transition(job, JobState.ADMITTED)
+    place_retry(store, job, "g2")
+    retry = RedisJobIO(store, job, "g2")
+    retry.enter(JobState.LOADING, 10)
+    retry.enter(JobState.PREFILL, 10)
+    retry.progress(Progress(phase=JobState.PREFILL, processed=5, total=10))
+    running = store.get(job)
+    with pytest.raises(StaleGroupError, match="no longer placed on group g1"):
+        stale.finish(result_of(prompt_tokens=111))
+    stale.fail("rank 0: late error of the lost group")  # recorded for g1 only
+    # what g1's node agent does next with that report: nothing, the job moved on
+    assert lose_group(store.conn, settings, job, "g1", "rank 0 exited with code 1") is None
+    with pytest.raises(StaleGroupError):
+        store.transition(job, JobState.FAILED, group_id="g1", error="late")
+    assert store.get(job) == running  # still g2's, in PREFILL, untouched
+    assert not store.conn.exists(keys.group_failed("g2"))
+    assert admissions(store) == [f"admit-{job}-attempt1"]  # no second retry was queued
+    retry.finish(result_of(prompt_tokens=10))
+    final = store.get(job)
+    assert final.state == JobState.FINISHED and final.result == result_of(prompt_tokens=10)
+    assert final.attempt == 1 and final.error is None
+
+
 def put_node(store: JobStore, name: str, heartbeat_at: float | None = None) -> None:
     now = time.time()
     store.put_node(
