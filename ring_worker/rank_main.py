@@ -18,9 +18,10 @@ import mlx.core as mx
 
 from jobs.errors import ModelLoadError, RingqError
 from jobs.lifecycle import JobState
-from jobs.model_catalog import ChatTokenizer, load_tokenizer, resolve_model
+from jobs.model_catalog import resolve_model
 from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
 from jobs.settings import Settings
+from jobs.tokenizer import ChatTokenizer, load_tokenizer
 from ring_worker.checkpoint import end_checkpoints, start_checkpoints
 from ring_worker.decode_text import cut_at_stop, partial_result, stop_check
 from ring_worker.devices import cap_device_memory
