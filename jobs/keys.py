@@ -54,3 +54,18 @@ def admit_retries(job_id: str) -> str:
 
 GROUPS_INDEX = f"{PREFIX}:groups"  # hash: group id -> JSON {group, admitted_at} while it runs
 WARM_GROUPS = f"{PREFIX}:warm"  # hash: group id -> JSON {group, bytes_per_node} of warm groups
+
+# Automatic prefix reuse (jobs/prefix_cache.py, jobs/prefix_index.py)
+PREFIX_ENTRIES = f"{PREFIX}:prefix:entries"  # sorted set: cache entry id -> last used (unix s)
+
+
+def prefix_block(block_key: str) -> str:
+    return f"{PREFIX}:prefix:block:{block_key}"  # set of cache entry ids holding this block chain
+
+
+def prefix_entry(entry_id: str) -> str:
+    return f"{PREFIX}:prefix:entry:{entry_id}"  # JSON CacheEntry: where its KV files are
+
+
+def prefix_entry_tokens(entry_id: str) -> str:
+    return f"{PREFIX}:prefix:entry:{entry_id}:tokens"  # JSON list of the entry's prompt tokens

@@ -75,6 +75,17 @@ class Settings(BaseSettings):
         description="A group whose job finished stays loaded this long for the next job of the "
         "same model and layout (0: every job starts and loads a group of its own).",
     )
+    prefix_cache: Literal["on", "off"] = Field(
+        default="on",
+        description="Keep every job's prompt KV on its node and start later jobs that share "
+        "its prefix from it (jobs/prefix_cache.py); off: compute every prompt whole.",
+    )
+    cache_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Disk each node agent may fill with kept KV caches under RINGQ_HOME/caches "
+        "(least recently used evicted first); unset: 10 % of the disk's free space.",
+    )
     allowed_dirs: list[Path] | None = Field(
         default=None,
         description="Directories services may read models (and other files) from, as a JSON "

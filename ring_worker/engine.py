@@ -43,6 +43,9 @@ class PrefillResult:
     cache: list[Any]  # this rank's mlx-lm KV caches (what they hold depends on the strategy)
     prompt_tokens: int
     seconds: float
+    # Positions whose K/V this prefill added to this rank's cache, in cache order (all of them
+    # but on a sharded ring); a continued cache holds its earlier positions before these.
+    ranges: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,16 +99,17 @@ class Engine:
         """Chunked prefill. Progress goes (0, total), then once per chunk up to (total, total) on
         every rank, for every strategy. `should_stop`, if given, must be given on every rank: the
         ranks agree on it (one tiny collective) after every step and raise Cancelled together.
-        `cache` (one device only): a KV cache of earlier tokens that `tokens` continue."""
+        `cache`: this rank's KV cache of earlier tokens that `tokens` continue, in this engine's
+        layout (ring_worker/kv_reshard.py builds one from a kept prefix); every rank passes one
+        or none."""
         if not tokens:
             raise ValueError("cannot prefill an empty prompt")
-        if cache is not None and self.group is not None:
-            raise ValueError("continuing from a kept KV cache runs on one device")
         started = time.perf_counter()
         total = len(tokens)
         chunks = [tokens[s : s + chunk_tokens] for s in range(0, total, chunk_tokens)]
         ends = [min((i + 1) * chunk_tokens, total) for i in range(len(chunks))]
         cache = make_prompt_cache(self.model) if cache is None else cache
+        start = self._begin_prefill(cache)
         if on_progress:
             on_progress("prefill", 0, total)
         hidden = None
@@ -118,7 +122,15 @@ class Engine:
                 done = ends[step.chunk] if step.chunk is not None else 0
                 raise Cancelled(f"stopped after {done} of {total} prompt tokens")
         logits = self._share_last_logits(hidden)
-        return PrefillResult(logits, cache, total, time.perf_counter() - started)
+        ranges = tuple(self._added_ranges(start, total))
+        return PrefillResult(logits, cache, total, time.perf_counter() - started, ranges)
+
+    def _begin_prefill(self, cache: list[Any]) -> int:
+        """Position of the prompt's first token: the tokens the cache already stands for."""
+        return cache[0].offset if cache else 0
+
+    def _added_ranges(self, start: int, total: int) -> list[tuple[int, int]]:
+        return [(start, start + total)]
 
     def _prefill_steps(self, chunks: list[list[int]], cache: list[Any]) -> Iterator[Step]:
         """Like mlx-lm's prefill, a chunk before the last evaluates the caches alone, which
@@ -272,9 +284,25 @@ class RingEngine(Engine):
     def last_rank(self) -> int:
         return ChunkSplit.last_token_rank
 
-    def _prefill_steps(self, chunks: list[list[int]], cache: list[Any]) -> Iterator[Step]:
+    def _begin_prefill(self, cache: list[Any]) -> int:
+        """Sharded: the ranks' caches hold disjoint positions, in any order (attention over a
+        past is order-free), so the prompt starts after all of them (one collective)."""
         ring = self.ring
-        ring.position, ring.past_lengths = 0, [0] * ring.size
+        held = cache[0].offset
+        if ring.kv_layout == "sharded":
+            ring.past_lengths = self.gather_ints(held)
+            ring.position = sum(ring.past_lengths)
+        else:
+            ring.past_lengths, ring.position = [0] * ring.size, held
+        ring.added = []
+        return ring.position
+
+    def _added_ranges(self, start: int, total: int) -> list[tuple[int, int]]:
+        if self.ring.kv_layout == "sharded":
+            return list(self.ring.added)
+        return super()._added_ranges(start, total)
+
+    def _prefill_steps(self, chunks: list[list[int]], cache: list[Any]) -> Iterator[Step]:
         for index, chunk in enumerate(chunks):
             hidden = self._ring_chunk(chunk, cache)
             last = index == len(chunks) - 1 and hidden is not None
@@ -288,6 +316,8 @@ class RingEngine(Engine):
             # with sharded KV only the step owner, rank 0, keeps its K/V).
             ring.step_owner = 0
             hidden = self._forward(chunk, cache)
+            if ring.rank == 0:
+                ring.added.append((ring.position, ring.position + len(chunk)))
             ring.past_lengths[0] += len(chunk)
             ring.position += len(chunk)
             return hidden
@@ -298,6 +328,10 @@ class RingEngine(Engine):
         finally:
             ring.split = None
         ring.past_lengths = [n + split.local_length(r) for r, n in enumerate(ring.past_lengths)]
+        ring.added += [
+            (ring.position + split.bounds[b], ring.position + split.bounds[b + 1])
+            for b in split.blocks_of(ring.rank)
+        ]
         ring.position += len(chunk)
         return hidden if ring.rank == ChunkSplit.last_token_rank else None
 
