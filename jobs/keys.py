@@ -69,3 +69,7 @@ def prefix_entry(entry_id: str) -> str:
 
 def prefix_entry_tokens(entry_id: str) -> str:
     return f"{PREFIX}:prefix:entry:{entry_id}:tokens"  # JSON list of the entry's prompt tokens
+
+
+def prefix_entry_shards(entry_id: str) -> str:
+    return f"{PREFIX}:prefix:entry:{entry_id}:shards"  # hash: rank -> JSON CacheShard, while kept

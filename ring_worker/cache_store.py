@@ -123,18 +123,10 @@ class CacheStore:
     def load(self, path: Path) -> tuple[list[Any], dict[str, str]] | None:
         """The caches and metadata of a file of this store; None (with a warning, the file
         deleted) if it is missing, corrupt or truncated."""
-        if not path.is_file():
-            return None
-        try:
-            cache, metadata = load_prompt_cache(str(path), return_metadata=True)
-            check_caches(cache)
-            mx.eval([c.state for c in cache])
-        except LOAD_ERRORS as exc:
-            log.warning("KV cache %s is unreadable (%s): ignored, the job recomputes", path, exc)
-            self._remove(path)
-            return None
-        self.touch(path)
-        return cache, metadata
+        found = read_cache_file(path)
+        if found is not None:
+            self.touch(path)
+        return found
 
     def touch(self, path: Path) -> None:
         with suppress(OSError):
@@ -182,6 +174,22 @@ class CacheStore:
         """Left by a writer that died mid-write (the lock is held: none is writing now)."""
         for path in self.root.glob(f".tmp-*{SUFFIX}"):
             path.unlink(missing_ok=True)
+
+
+def read_cache_file(path: Path) -> tuple[list[Any], dict[str, str]] | None:
+    """A prompt-cache file's caches and metadata; None if it is missing, or (with a warning,
+    the file deleted so that it never fails again) corrupt or truncated."""
+    if not path.is_file():
+        return None
+    try:
+        cache, metadata = load_prompt_cache(str(path), return_metadata=True)
+        check_caches(cache)
+        mx.eval([c.state for c in cache])
+    except LOAD_ERRORS as exc:
+        log.warning("KV cache %s is unreadable (%s): ignored, the job recomputes", path, exc)
+        path.unlink(missing_ok=True)
+        return None
+    return cache, metadata
 
 
 def as_caches(layers: Sequence[tuple[mx.array, mx.array]]) -> list[KVCache]:

@@ -1,0 +1,254 @@
+"""A rank's side of automatic prefix reuse (design: jobs/prefix_cache.py): find a kept prefix of
+the prompt and rebuild this rank's part of it; after the job, keep this rank's prompt KV on disk
+and (rank 0) index the entry. The ranks of a group agree on what they reuse (two collectives):
+any disagreement or failed load means every rank recomputes."""
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from jobs import keys
+from jobs.prefix_cache import (
+    BLOCK_TOKENS,
+    CacheEntry,
+    CacheShard,
+    Layout,
+    choose_entry,
+    exact_reuse_tokens,
+    worth_keeping,
+)
+from jobs.prefix_index import PrefixIndex
+from ring_worker.cache_store import CacheStore, read_cache_file
+from ring_worker.engine import Engine, PrefillResult
+from ring_worker.kv_reshard import ShardKV, build_cache, cache_arrays, clip_ranges, even_split
+
+log = logging.getLogger(__name__)
+Ranges = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class RankView:
+    """Where one rank sits: what part of a kept prefix it needs."""
+
+    node: str
+    rank: int
+    size: int
+    layout: Layout
+    kv_layout: str  # "replicated" | "sharded" (ring); "replicated" otherwise
+    layers: range  # this rank's layers: all, or a pipeline stage's
+    kv_dtype: str
+
+    @property
+    def sharded(self) -> bool:
+        return self.layout == "ring" and self.kv_layout == "sharded"
+
+    @property
+    def writers(self) -> list[int]:
+        """The ranks whose KV files make an entry: each stage or shard; replicated, rank 0."""
+        return list(range(self.size)) if self.layout == "pipeline" or self.sharded else [0]
+
+
+@dataclass(frozen=True)
+class Reuse:
+    entry: CacheEntry
+    tokens: int  # prompt tokens taken from the entry
+    cache: list[Any]  # this rank's rebuilt KV caches
+    ranges: Ranges  # the positions they hold, in cache order
+
+
+def view_of(engine: Engine, node: str, layout: Layout, kv_layout: str) -> RankView:
+    model = engine.model
+    layers = getattr(engine, "layers", range(model.args.num_hidden_layers))
+    dtype = model.model.layers[0].input_layernorm.weight.dtype
+    return RankView(node, engine.rank, engine.size, layout, kv_layout, layers, str(dtype))
+
+
+def wanted_positions(view: RankView, entry: CacheEntry, reuse: int) -> Ranges:
+    """Sharded ring: the same shard when the entry was made by a sharded ring of this size,
+    else an even contiguous share; every other layout: the whole prefix."""
+    if not view.sharded:
+        return [(0, reuse)]
+    if entry.layout == "ring" and entry.kv_layout == "sharded" and entry.ring_size == view.size:
+        mine = [s for s in entry.shards if s.rank == view.rank]
+        if mine:
+            return clip_ranges(mine[0].ranges, reuse)
+    return even_split(reuse, view.rank, view.size)
+
+
+def find_reuse(
+    index: PrefixIndex, model_key: str, tokens: list[int], view: RankView
+) -> Reuse | None:
+    """This rank's part of the longest kept prefix of `tokens`, or None (recompute)."""
+    match = index.match(model_key, tokens)
+    usable = [e for e in match.entries if e.kv_dtype == view.kv_dtype]
+    entry = choose_entry(usable, [view.node])
+    if entry is None:
+        return None
+    kept = index.tokens(entry.id) or []
+    reuse = exact_reuse_tokens(kept[: entry.tokens], tokens)
+    if reuse <= 0:
+        return None
+    want = wanted_positions(view, entry, reuse)
+    shards = load_shards(entry, view.layers, want)
+    cache = build_cache(shards, view.layers, want) if shards is not None else None
+    if cache is None:
+        log.warning("prefix cache %s (%s): files missing or unreadable here, forgotten; the job "
+                    "recomputes", entry.id, entry.describe())  # fmt: skip
+        index.remove(entry.id)
+        return None
+    index.touch(entry.id)
+    return Reuse(entry, reuse, cache, want)
+
+
+def load_shards(entry: CacheEntry, layers: range, want: Ranges) -> list[ShardKV] | None:
+    """The entry's shard files this rank needs, read here; None if one is unreadable."""
+    shards = []
+    for shard in entry.shards:
+        if shard.layer_stop <= layers.start or shard.layer_start >= layers.stop:
+            continue
+        if not any(a < e and s < b for a, b in want for s, e in shard.ranges):
+            continue
+        found = read_cache_file(Path(shard.file))
+        if found is None:
+            return None
+        cache, _ = found
+        layer_kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache]
+        shards.append(ShardKV(shard.layer_start, tuple((a, b) for a, b in shard.ranges), layer_kv))
+    return shards
+
+
+def agree_on_reuse(engine: Engine, found: Reuse | None) -> Reuse | None:
+    """Every rank reuses the same entry for the same tokens, or none does."""
+    tokens = found.tokens if found is not None else -1
+    tag = _tag(found.entry.id) if found is not None else -1
+    if len(set(engine.gather_ints(tokens))) == 1 and len(set(engine.gather_ints(tag))) == 1:
+        return found if tokens > 0 else None
+    return None
+
+
+def cache_positions(reused: Reuse | None, prefill: PrefillResult) -> Ranges:
+    """The positions this rank's cache holds after prefill, in cache order."""
+    return (list(reused.ranges) if reused is not None else []) + list(prefill.ranges)
+
+
+def keep_shard(
+    store: CacheStore,
+    view: RankView,
+    entry_id: str,
+    cache: Sequence[Any],
+    positions: Ranges,
+    prompt_tokens: int,
+    pinned: bool = False,
+) -> tuple[CacheShard | None, list[str]]:
+    """Write this rank's KV of the prompt's positions; the shard record (None if not kept) and
+    the entries whose files the store evicted to make room."""
+    keep = clip_ranges(positions, prompt_tokens)
+    layers = cache_arrays(cache, positions, keep) if keep else []
+    metadata = {"entry": entry_id, "rank": str(view.rank), "ranges": json.dumps(keep),
+                "layer_start": str(view.layers.start)}  # fmt: skip
+    saved = store.save(f"{entry_id}.r{view.rank}", layers, metadata, pinned) if layers else None
+    evicted = sorted({f.name.rsplit(".r", 1)[0] for f in saved.evicted}) if saved else []
+    if saved is None or saved.path is None:
+        return None, evicted
+    shard = CacheShard(
+        node=view.node, rank=view.rank, file=str(saved.path), layer_start=view.layers.start,
+        layer_stop=view.layers.stop, ranges=keep, bytes=saved.path.stat().st_size,
+    )  # fmt: skip
+    return shard, evicted
+
+
+def publish_shard(conn: redis.Redis, entry_id: str, shard: CacheShard | None, rank: int) -> None:
+    conn.hset(
+        keys.prefix_entry_shards(entry_id), str(rank), shard.model_dump_json() if shard else ""
+    )
+
+
+def register_entry(
+    index: PrefixIndex,
+    entry_id: str,
+    model_key: str,
+    view: RankView,
+    tokens: list[int],
+    pinned: bool = False,
+) -> CacheEntry | None:
+    """Rank 0, after every rank published its shard: index the entry if every shard was kept."""
+    conn = index.conn
+    raw = conn.hgetall(keys.prefix_entry_shards(entry_id))
+    conn.delete(keys.prefix_entry_shards(entry_id))
+    texts = {int(k): v.decode() if isinstance(v, bytes) else v for k, v in raw.items()}
+    if not all(texts.get(rank) for rank in view.writers):
+        log.info("job %s: prefix not kept (a rank kept no shard)", entry_id)
+        return None
+    shards = [CacheShard.model_validate_json(texts[rank]) for rank in view.writers]
+    now = time.time()
+    entry = CacheEntry(
+        id=entry_id, model_key=model_key, tokens=len(tokens), layout=view.layout,
+        ring_size=view.size, kv_layout="sharded" if view.sharded else "replicated",
+        kv_dtype=view.kv_dtype, shards=shards, pinned=pinned, created_at=now, last_used_at=now,
+        blocks=len(tokens) // BLOCK_TOKENS,
+    )  # fmt: skip
+    index.add(entry, tokens)
+    return entry
+
+
+def should_keep(prompt_tokens: int, reused: Reuse | None, pinned: bool) -> bool:
+    return pinned or worth_keeping(prompt_tokens, reused.tokens if reused else 0)
+
+
+@dataclass(frozen=True)
+class RankPrefixCache:
+    """One rank's handle on prefix reuse: the index, its node's store, where it sits."""
+
+    index: PrefixIndex
+    store: CacheStore
+    view: RankView
+    model_key: str
+
+    def prefill(
+        self, engine: Engine, tokens: list[int], chunk_tokens: int, **options: Any
+    ) -> tuple[PrefillResult, Reuse | None]:
+        """Prefill `tokens`, starting from a kept prefix when every rank can load one."""
+        reused = agree_on_reuse(engine, find_reuse(self.index, self.model_key, tokens, self.view))
+        rest = tokens[reused.tokens :] if reused is not None else tokens
+        cache = reused.cache if reused is not None else None
+        return engine.prefill(rest, chunk_tokens, cache=cache, **options), reused
+
+    def keep(
+        self,
+        engine: Engine,
+        entry_id: str,
+        tokens: list[int],
+        prefill: PrefillResult,
+        reused: Reuse | None,
+        pinned: bool = False,
+    ) -> CacheEntry | None:
+        """After the job, on every rank: keep the prompt's KV if it is worth it (see
+        jobs/prefix_cache.py); rank 0 returns the indexed entry."""
+        if not should_keep(len(tokens), reused, pinned):
+            return None
+        view = self.view
+        if view.rank in view.writers:
+            positions = cache_positions(reused, prefill)
+            shard, evicted = keep_shard(
+                self.store, view, entry_id, prefill.cache, positions, len(tokens), pinned
+            )
+            for gone in evicted:
+                self.index.remove(gone)
+            publish_shard(self.index.conn, entry_id, shard, view.rank)
+        engine.gather_ints(0)  # every shard is published before rank 0 reads them
+        entry = None
+        if view.rank == 0:
+            entry = register_entry(self.index, entry_id, self.model_key, view, tokens, pinned)
+        engine.gather_ints(0)  # indexed before any rank looks for the next job's prefix
+        return entry
+
+
+def _tag(entry_id: str) -> int:
+    return int(hashlib.sha256(entry_id.encode()).hexdigest()[:12], 16)
