@@ -8,6 +8,7 @@ from rich.console import Console
 
 from cli.batch import batch
 from cli.bench import bench
+from cli.cache import cache
 from cli.common import echo_json, expand_files, redis_connection
 from cli.local_run import run
 from cli.options import build_spec, job_options
@@ -187,6 +188,7 @@ def nodes(as_json):
 
 for _command in (run, bench, up, demo, node, dispatcher, batch, top):
     cli.add_command(_command)
+cli.add_command(cache)
 
 
 def main() -> None:

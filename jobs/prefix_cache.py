@@ -47,6 +47,7 @@ recomputes a little more). RINGQ_PREFIX_CACHE=off turns matching and keeping off
 import hashlib
 from array import array
 from collections.abc import Sequence
+from pathlib import PurePath
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -95,6 +96,13 @@ class CacheEntry(_Message):
 
     def nodes(self) -> list[str]:
         return sorted({s.node for s in self.shards})
+
+    def model_name(self) -> str:
+        """The model as a user named it: a preset, or a file's or folder's name."""
+        kind, _, rest = self.model_key.partition(":")
+        if kind in ("gguf", "hf"):
+            return PurePath(rest.split(":")[0]).name
+        return rest or self.model_key
 
     def describe(self) -> str:
         """For `ringq status` / `ringq cache list`: e.g. 'ring-2 sharded on n1,n2'."""

@@ -252,3 +252,26 @@ class RankPrefixCache:
 
 def _tag(entry_id: str) -> int:
     return int(hashlib.sha256(entry_id.encode()).hexdigest()[:12], 16)
+
+
+@dataclass(frozen=True)
+class Dropped:
+    entry: CacheEntry
+    deleted: list[str]  # files deleted here
+    elsewhere: list[str]  # files not on this machine: that node's LRU frees them
+
+
+def drop_entry(index: PrefixIndex, entry_id: str) -> Dropped | None:
+    """Forget an entry and delete its files that this machine can reach."""
+    entry = index.remove(entry_id)
+    if entry is None:
+        return None
+    deleted, elsewhere = [], []
+    for shard in entry.shards:
+        path = Path(shard.file)
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            deleted.append(shard.file)
+        else:
+            elsewhere.append(f"{shard.node}:{shard.file}")
+    return Dropped(entry, deleted, elsewhere)
