@@ -13,9 +13,9 @@ they are not calibrated there yet.
 """
 
 from dataclasses import dataclass
-from typing import Literal
 
 from admission.model_shape import ModelShape
+from admission.vocabulary import KVLayout, Strategy
 
 PROCESS_OVERHEAD_BYTES = 256 * 1024**2  # interpreter, MLX runtime, tokenizer: outside MLX's count
 MARGIN = 1.05  # on the MLX peak: measured peaks vary by a few MiB between runs
@@ -26,9 +26,6 @@ RING_SCORE_COPIES = 2.4  # ring partial attention: scores and their exp
 SHARDED_SCORE_COPIES = 2.2  # sharded ring: partials over every rank's past, merged per layer
 STORED_COPIES = 1.5  # dequantizing: packed weights plus float32 scales and biases
 EMBEDDING_TRANSIENT = 0.6  # of the dense embedding, while it is dequantized
-
-Strategy = Literal["single", "ring", "pipeline"]
-KVLayout = Literal["replicated", "sharded"]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What admission needs to know about a model: its shape and the bytes of its weights."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -29,3 +29,11 @@ class ModelShape:
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.compute_dtype_bytes
+
+    def in_dtype(self, dtype_bytes: int) -> "ModelShape":
+        """The same model computing in another float width (dense bytes follow)."""
+        return replace(
+            self,
+            dense_weight_bytes=self.parameters * dtype_bytes,
+            compute_dtype_bytes=dtype_bytes,
+        )

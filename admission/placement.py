@@ -8,25 +8,32 @@ the weights themselves do not fit on one node). `ring_size`, `sharding` and `kv_
 candidates to what the user asked for.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
-from admission.estimate import KVLayout, Layout, MemoryEstimate, estimate_node_bytes
+from admission.estimate import Layout, MemoryEstimate, estimate_node_bytes
+from admission.group_plan import chunk_candidates
 from admission.model_shape import ModelShape
+from admission.vocabulary import KVLayout
 
 
 @dataclass(frozen=True)
 class NodeCapacity:
     name: str
     available_bytes: int
-    dense_weights: bool  # CPU nodes dequantize weights
+    dense_weights: bool  # CPU nodes dequantize weights (and compute in float32)
+    compute_dtype_bytes: int | None = None  # GPU nodes: the model's own dtype; None: the shape's
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.dense_weights else "gpu"
 
 
 @dataclass(frozen=True)
 class PlacementRequest:
     prompt_tokens: int
     max_new_tokens: int
-    chunk_tokens: int
+    chunk_tokens: int | None  # None: per device, the largest that fits (admission.group_plan)
     ring_size: int | None  # None: automatic
     sharding: str  # "auto" | "ring" | "pipeline" | "single"
     ring_min_tokens: int  # automatic choice: shorter prompts run on the fewest nodes
@@ -38,6 +45,7 @@ class PlacementPlan:
     layout: Layout
     nodes: tuple[str, ...]
     bytes_per_node: int
+    chunk_tokens: int
 
     @property
     def strategy(self) -> str:
@@ -57,17 +65,28 @@ def plan_placement(
     for layout in layouts:
         fitting = []
         for node in sorted(nodes, key=lambda n: -n.available_bytes):
-            need = node_estimate(shape, request, layout, node).total_bytes
-            if need <= node.available_bytes:
-                fitting.append((node.name, need))
+            if (fit := fitting_chunk(shape, request, layout, node)) is not None:
+                fitting.append((node.name, *fit))
         if len(fitting) >= layout.size:
             chosen = fitting[: layout.size]
             return PlacementPlan(
                 layout=layout,
-                nodes=tuple(name for name, _ in chosen),
-                bytes_per_node=max(need for _, need in chosen),
+                nodes=tuple(name for name, _, _ in chosen),
+                bytes_per_node=max(need for _, need, _ in chosen),
+                chunk_tokens=min(chunk for _, _, chunk in chosen),
             )
     raise CannotPlace(describe_shortfall(shape, request, nodes, layouts))
+
+
+def fitting_chunk(
+    shape: ModelShape, request: PlacementRequest, layout: Layout, node: NodeCapacity
+) -> tuple[int, int] | None:
+    """(bytes needed, chunk tokens) with the largest chunk that fits on `node`; None if none."""
+    for chunk in chunk_candidates("cpu" if node.dense_weights else "cuda", request.chunk_tokens):
+        need = node_estimate(shape, replace(request, chunk_tokens=chunk), layout, node)
+        if need.total_bytes <= node.available_bytes:
+            return need.total_bytes, chunk
+    return None
 
 
 def candidate_layouts(request: PlacementRequest, live: int, layers: int) -> list[Layout]:
@@ -116,12 +135,13 @@ def candidate_sizes(request: PlacementRequest, live: int) -> list[int]:
 def node_estimate(
     shape: ModelShape, request: PlacementRequest, layout: Layout, node: NodeCapacity
 ) -> MemoryEstimate:
+    chunk = request.chunk_tokens or chunk_candidates("cpu" if node.dense_weights else "cuda")[-1]
     return estimate_node_bytes(
-        shape,
+        shape.in_dtype(node.compute_dtype_bytes) if node.compute_dtype_bytes else shape,
         request.prompt_tokens,
         request.max_new_tokens,
         layout,
-        request.chunk_tokens,
+        chunk,
         dense_weights=node.dense_weights,
     )
 

@@ -55,7 +55,7 @@ def measure(model: str, pp: int, layout: Layout, chunk_tokens: int, scratch: Pat
         chunk_tokens,
         scratch_root=scratch,
         strategy=layout.strategy,
-        decode_kv=layout.kv_layout,
+        kv_layout=layout.kv_layout,
         blas=get_settings().blas,
         timeout_s=900,
     )

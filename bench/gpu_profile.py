@@ -116,9 +116,10 @@ def seconds_of(fn) -> float:
 def run_rank(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
+    from admission.vocabulary import Transport
     from jobs.model_catalog import resolve_model
     from ring_worker.devices import cap_device_memory
-    from ring_worker.group import Backend, join_group
+    from ring_worker.group import join_group
     from ring_worker.models import load_for_this_device
 
     rec = Recorder(args.rank, args.out)
@@ -129,7 +130,7 @@ def run_rank(args: argparse.Namespace) -> None:
     cap_device_memory()
     mx.eval(mx.zeros(1))
     rec.add("memory cap + device init", seconds=round(time.perf_counter() - started, 3))
-    backend: Backend = "nccl" if mx.cuda.is_available() else "ring"
+    backend: Transport = "nccl" if mx.cuda.is_available() else "ring"
     started = time.perf_counter()
     group = join_group(json.loads(args.addresses), args.rank, args.out, backend)
     rec.add("join group", seconds=round(time.perf_counter() - started, 3), backend=backend)

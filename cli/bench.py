@@ -17,6 +17,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from admission.group_plan import default_chunk_tokens
 from cli.bench_machine import machine_info, mfu, probe_matmul_tflops
 from cli.bench_plot import write_plot
 from cli.bench_report import (
@@ -40,6 +41,7 @@ from jobs.errors import InvalidJobError, RingqError
 from jobs.model_catalog import ChatTokenizer, load_tokenizer, read_model_shape, resolve_model
 from jobs.schemas import JobKind, JobResult, JobSpec, Sharding
 from jobs.settings import Settings, get_settings
+from ring_worker.devices import node_backend
 from ring_worker.local_group import LocalRunError, run_local
 from ring_worker.processes import rank_environment, spawn_rank, wait_all
 
@@ -170,7 +172,9 @@ def bench(
         "decode_kv": decode_kvs,
         "warmup": warmup,
         "repeat": repeat,
-        "chunk_tokens": chunk_tokens or settings.prefill_chunk_tokens,
+        "chunk_tokens": chunk_tokens
+        or settings.prefill_chunk_tokens
+        or default_chunk_tokens(node_backend(settings.backend)),
         "timeout_s": timeout_s,
     }
     prompts = build_prompts(config["model"], pp_list, tg)
@@ -287,8 +291,8 @@ def run_cell(
             config["chunk_tokens"],
             scratch_root=scratch,
             strategy=cell.strategy,
-            exchange=cell.exchange or "rotate",
-            decode_kv=cell.decode_kv or "replicated",
+            exchange=cell.exchange,
+            kv_layout=cell.decode_kv or "replicated",
             blas=blas,
             timeout_s=config["timeout_s"],
         )

@@ -1,16 +1,18 @@
 """`ringq run`: the same engine on local rank processes, no Redis."""
 
 import threading
+from typing import cast
 
 import click
 from rich.console import Console
 
+from admission.vocabulary import Exchange
 from cli.common import echo_json, interrupt_on_sigterm
 from cli.options import build_spec, chunk_tokens_option, job_options
 from cli.render import live_progress, print_result
-from jobs.dispatcher import tokenize_and_check
 from jobs.errors import RingqError
 from jobs.lifecycle import JobState
+from jobs.prompts import tokenize_and_check
 from jobs.schemas import Progress
 from jobs.settings import get_settings
 from jobs.submit import new_job_id
@@ -38,13 +40,15 @@ from ring_worker.local_group import LocalRunError, run_local
 @chunk_tokens_option
 @click.option(
     "--exchange",
-    type=click.Choice(["rotate", "allgather"]),
-    default="rotate",
-    show_default=True,
-    help="How ring ranks share K/V blocks.",
+    type=click.Choice(["auto", "rotate", "allgather"]),
+    default=None,
+    help="How ring ranks share K/V blocks (default RINGQ_EXCHANGE: auto = allgather over NCCL "
+    "when every rank has a GPU of its own, rotate elsewhere).",
 )
 @click.option(
-    "--decode-kv",
+    "--kv-layout",
+    "--decode-kv",  # the old name, still accepted
+    "kv_layout",
     type=click.Choice(["replicated", "sharded"]),
     default="replicated",
     show_default=True,
@@ -62,7 +66,7 @@ def run(
     ring_size,
     chunk_tokens,
     exchange,
-    decode_kv,
+    kv_layout,
 ):
     """Run a job on this machine with local rank processes (no Redis): quick use and benchmarks."""
     interrupt_on_sigterm()
@@ -91,8 +95,11 @@ def run(
             scratch_root=settings.home / "runs",
             strategy=sharding,
             blas=settings.blas,
-            exchange=exchange,
-            decode_kv=decode_kv,
+            backend=settings.backend,
+            exchange=None
+            if (exchange or settings.exchange) == "auto"
+            else exchange or settings.exchange,
+            kv_layout=kv_layout,
             on_progress=on_progress,
             stop=stop,
         ),
@@ -113,6 +120,10 @@ def run(
         echo_json(payload)
     else:
         print_result(Console(), payload)
+
+
+def forced_exchange(choice: str) -> Exchange | None:
+    return None if choice == "auto" else cast(Exchange, choice)
 
 
 def run_with_progress(work, first: Progress, console: Console | None):

@@ -74,5 +74,5 @@ chunk_tokens_option = click.option(
     "--chunk-tokens",
     type=click.IntRange(1),
     default=None,
-    help="Prefill chunk (default RINGQ_PREFILL_CHUNK_TOKENS).",
+    help="Prefill chunk (default RINGQ_PREFILL_CHUNK_TOKENS, else 512 on CPU and 16384 on GPUs).",
 )

@@ -24,11 +24,11 @@ from jobs.schemas import JobKind, JobSpec
 from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
 from jobs.submit import submit_job
+from ring_worker.devices import LocalNode, cuda_memory_bytes, installed_gpus, local_nodes
 from ring_worker.node_agent import NodeAgent, log_tail
 
 console = Console(stderr=True)
 READY_TIMEOUT_S = 60.0
-PARENT_PID_ENV = "RINGQ_PARENT_PID"
 
 
 class LocalCluster:
@@ -37,13 +37,18 @@ class LocalCluster:
     def __init__(
         self,
         settings: Settings,
-        node_count: int,
+        node_count: int | None = None,
         name_prefix: str = "node",
         extra_env: dict[str, str] | None = None,
+        gpus: list[str] | None = None,
     ):
+        """`node_count` None: one node per GPU (`gpus`, default this machine's), 2 on CPU."""
         self.settings = settings
         self.extra_env = extra_env or {}
-        self.node_names = [f"{name_prefix}-{i}" for i in range(node_count)]
+        if gpus is None:
+            gpus = list(installed_gpus()) if settings.backend in ("auto", "cuda") else []
+        self.nodes = local_nodes(gpus, node_count, name_prefix)
+        self.node_names = [node.name for node in self.nodes]
         self.redis: RedisHandle | None = None
         self.children: list[tuple[str, subprocess.Popen, Path]] = []
         self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}
@@ -54,21 +59,53 @@ class LocalCluster:
             **os.environ,
             "RINGQ_REDIS_URL": self.redis.url,
             "RINGQ_HOME": str(self.settings.home),
-            PARENT_PID_ENV: str(os.getpid()),
+            "RINGQ_PARENT_PID": str(os.getpid()),
             **self.extra_env,
         }
         logs = self.settings.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         try:
             self._spawn("dispatcher", ["dispatcher"], env, logs)
-            share = local_node_share_gib(max(1, len(self.node_names)))
-            for name in self.node_names:
-                limit = [] if "RINGQ_NODE_MEMORY_LIMIT_GIB" in env else ["--memory-limit", share]
-                self._spawn(name, ["node", "--name", name, *limit], env, logs)
+            for node in self.nodes:
+                args, node_env = self.node_command(node, env)
+                self._spawn(node.name, args, node_env, logs)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def node_command(
+        self, node: LocalNode, env: dict[str, str]
+    ) -> tuple[list[str], dict[str, str]]:
+        """`ringq node` for one local node: pinned to its GPU, with its share of the memory
+        (of the host on CPU, of its GPU where several nodes share one)."""
+        args = ["node", "--name", node.name]
+        if node.gpu is not None:
+            args += ["--gpus", node.gpu] + (["--share-gpu"] if node.shares_gpu else [])
+        if "RINGQ_NODE_MEMORY_LIMIT_GIB" not in env:
+            sharers = (
+                sum(1 for n in self.nodes if n.gpu == node.gpu)
+                if node.gpu is not None
+                else len(self.nodes)
+            )
+            if sharers > 1:
+                args += ["--memory-limit", local_node_share_gib(sharers, node.gpu)]
+        return args, env
+
+    def describe(self) -> str:
+        """What `up` started, saying when nodes share a GPU (their rings use MLX's ring
+        backend over TCP, not NCCL)."""
+        parts = [
+            f"{n.name} (GPU {n.gpu}{', shared' if n.shares_gpu else ''})" if n.gpu else n.name
+            for n in self.nodes
+        ]
+        text = f"{len(self.nodes)} node(s): {', '.join(parts)}"
+        if any(n.shares_gpu for n in self.nodes):
+            text += (
+                ". Nodes that share a GPU split its memory, and groups spanning them use "
+                "MLX's ring backend, never NCCL"
+            )
+        return text
 
     def restart(self, label: str) -> subprocess.Popen:
         """Start the service `label` again (after it died or was killed) with its command."""
@@ -142,19 +179,19 @@ class LocalCluster:
     "--nodes",
     "node_count",
     type=click.IntRange(1, 16),
-    default=2,
-    show_default=True,
-    help="Local node agents to start.",
+    default=None,
+    help="Local node agents to start. Default: one per GPU, each pinned to its own; 2 on a "
+    "machine without GPUs. More nodes than GPUs share them.",
 )
-def up(node_count: int) -> None:
+def up(node_count: int | None) -> None:
     """Start Redis (unless RINGQ_REDIS_URL), the dispatcher and local node agents; Ctrl-C stops."""
     settings = get_settings()
     interrupt_on_sigterm()
     with LocalCluster(settings, node_count) as cluster:
         cluster.wait_ready()
         console.print(
-            f"ringq up: redis {cluster.url}, dispatcher, {node_count} node(s): "
-            f"{', '.join(cluster.node_names)}. Logs in {settings.home / 'logs'}. Ctrl-C stops."
+            f"ringq up: redis {cluster.url}, dispatcher, {cluster.describe()}. "
+            f"Logs in {settings.home / 'logs'}. Ctrl-C stops."
         )
         console.print(f"[dim]other shells: export RINGQ_REDIS_URL={cluster.url}[/dim]")
         try:
@@ -178,7 +215,15 @@ def demo(model: str | None, ring_size: int, max_tokens: int) -> None:
     started = time.perf_counter()
     with LocalCluster(settings, ring_size, name_prefix="demo") as cluster:
         cluster.wait_ready()
-        console.print(f"[dim]cluster ready in {time.perf_counter() - started:.1f}s[/dim]")
+        console.print(
+            f"[dim]cluster ready in {time.perf_counter() - started:.1f}s: "
+            f"{cluster.describe()}[/dim]"
+        )
+        if any(n.gpu is not None for n in cluster.nodes):
+            console.print(
+                "[dim]on GPUs, each group compiles its kernels once while it loads (a few "
+                "seconds, more on a machine's very first run)[/dim]"
+            )
         spec = JobSpec(
             kind=JobKind.GENERATE,
             document=document,
@@ -214,42 +259,112 @@ def demo(model: str | None, ring_size: int, max_tokens: int) -> None:
     help="Address this node's ranks listen on (reachable by the other nodes).",
 )
 @click.option("--memory-limit", type=float, default=None, help="GiB ringq may use on this node.")
-def node(name: str | None, address: str, memory_limit: float | None) -> None:
+@click.option(
+    "--gpus",
+    default=None,
+    help="GPU indices this agent owns, e.g. 0 or 0,1 (one node per GPU, named NAME-gpuI when "
+    "several). Default: every visible GPU when there is one, else CPU.",
+)
+@click.option(
+    "--share-gpu",
+    is_flag=True,
+    help="Let other agents use this agent's GPU too (their groups then use MLX's ring backend).",
+)
+def node(
+    name: str | None,
+    address: str,
+    memory_limit: float | None,
+    gpus: str | None,
+    share_gpu: bool,
+) -> None:
     """Run a node agent: register, heartbeat, start rank processes when asked."""
     settings = get_settings()
-    setup_service()
+    name = name or socket.gethostname()
+    owned = parse_gpus(gpus)
+    if len(owned) > 1:
+        sys.exit(run_node_per_gpu(name, owned, sys.argv[1:]))
+    if owned:
+        os.environ["CUDA_VISIBLE_DEVICES"] = owned[0]
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    setup_service(settings)
     url = redis_url_for(settings)
     limit_gib = memory_limit or settings.node_memory_limit_gib
     agent = NodeAgent(
-        name or socket.gethostname(),
+        name,
         connect(url, ride_out_s=SERVICE_RIDE_OUT_S),
         url,
         settings,
         address=address,
         memory_limit_bytes=int(limit_gib * 1024**3) if limit_gib else None,
+        share_gpu=share_gpu,
     )
     agent.run()
 
 
-def local_node_share_gib(nodes: int) -> str:
-    """`ringq up`'s nodes share one machine: each may reserve an equal share of its memory."""
-    return f"{psutil.virtual_memory().total / nodes / 1024**3:.2f}"
+def parse_gpus(value: str | None) -> list[str]:
+    """GPU indices from --gpus, each checked against the machine's."""
+    if value is None:
+        return []
+    wanted = [part.strip() for part in value.split(",") if part.strip()]
+    installed = installed_gpus()
+    missing = [gpu for gpu in wanted if gpu not in installed]
+    if missing:
+        have = ", ".join(installed) or "none"
+        raise click.BadParameter(f"no GPU {', '.join(missing)} on this machine (it has: {have})")
+    return wanted
+
+
+def run_node_per_gpu(name: str, gpus: list[str], argv: list[str]) -> int:
+    """`--gpus 0,1`: one node agent per GPU, as child processes; returns the first failure."""
+    base = [arg for arg in argv if not arg.startswith("--gpus") and arg not in gpus]
+    children = []
+    for gpu in gpus:
+        args = [*strip_option(base, "--name"), "--name", f"{name}-gpu{gpu}", "--gpus", gpu]
+        children.append(subprocess.Popen([sys.executable, "-m", "cli.main", *args]))
+    try:
+        codes = [child.wait() for child in children]
+    except KeyboardInterrupt:
+        for child in children:
+            child.send_signal(signal.SIGTERM)
+        codes = [child.wait() for child in children]
+    return next((code for code in codes if code), 0)
+
+
+def strip_option(argv: list[str], option: str) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+def local_node_share_gib(nodes: int, gpu: str | None = None) -> str:
+    """`ringq up`'s nodes share one machine (or one GPU): each may reserve an equal share of
+    its memory."""
+    total = psutil.virtual_memory().total
+    if gpu is not None and (memory := cuda_memory_bytes(gpu)) is not None:
+        total = memory[1]
+    return f"{total / nodes / 1024**3:.2f}"
 
 
 @click.command()
 def dispatcher() -> None:
     """Run the dispatcher: admit, place and hand over submitted jobs."""
-    setup_service()
     settings = get_settings()
+    setup_service(settings)
     serve(connect(redis_url_for(settings), ride_out_s=SERVICE_RIDE_OUT_S), settings)
 
 
-def setup_service() -> None:
+def setup_service(settings: Settings) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if parent := os.environ.get(PARENT_PID_ENV):
-        exit_with_parent(int(parent))
+    if settings.parent_pid:
+        exit_with_parent(settings.parent_pid)
 
 
 def exit_with_parent(parent_pid: int) -> None:

@@ -55,6 +55,11 @@ def admit_retries(job_id: str) -> str:
 GROUPS_INDEX = f"{PREFIX}:groups"  # hash: group id -> JSON {group, admitted_at} while it runs
 WARM_GROUPS = f"{PREFIX}:warm"  # hash: group id -> JSON {group, bytes_per_node} of warm groups
 
+
+def gpu_owner(host: str, gpu: str) -> str:
+    return f"{PREFIX}:gpu:{host}:{gpu}"  # the node agent that owns this GPU (expires with it)
+
+
 # Automatic prefix reuse (jobs/prefix_cache.py, jobs/prefix_index.py)
 PREFIX_ENTRIES = f"{PREFIX}:prefix:entries"  # sorted set: cache entry id -> last used (unix s)
 

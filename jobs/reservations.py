@@ -75,13 +75,21 @@ class Reservations:
 
     def reserved_bytes(self, name: str) -> int:
         """Bytes held on `name` by leases that have not expired."""
+        return sum(self.held(name).values())
+
+    def held(self, name: str) -> dict[str, int]:
+        """Group id -> bytes held on `name`, for leases that have not expired."""
         live = cast(
             list[bytes], self.conn.zrangebyscore(keys.node_leases(name), time.time(), "+inf")
         )
         if not live:
-            return 0
+            return {}
         values = cast(list[bytes | None], self.conn.hmget(keys.node_reserved(name), live))
-        return sum(int(v) for v in values if v is not None)
+        return {
+            group.decode(): int(value)
+            for group, value in zip(live, values, strict=True)
+            if value is not None
+        }
 
     def renew(self, group_id: str, name: str) -> None:
         self.conn.zadd(keys.node_leases(name), {group_id: time.time() + self.lease_s}, xx=True)

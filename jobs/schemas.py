@@ -6,8 +6,9 @@ import time
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from admission.vocabulary import Device, Exchange, KVLayout, Strategy, Transport
 from jobs.lifecycle import JobState
 
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "$" would allow a "\n"
@@ -97,14 +98,16 @@ class Progress(_Message):
 
 
 class Placement(_Message):
-    strategy: Literal["single", "ring", "pipeline"]
-    kv_layout: Literal["replicated", "sharded"] = "replicated"
+    strategy: Strategy
+    kv_layout: KVLayout = "replicated"
     ring_size: int
     nodes: list[str]
     group_id: str
     bytes_per_node: int
     warm: bool = False  # ran on a group that was already loaded (a previous job's)
     reason: str | None = None  # why the dispatcher chose this layout (shown by `ringq status`)
+    chunk_tokens: int | None = None  # the job's prefill chunk (admission.group_plan); None: 512
+    devices: list[str] = []  # per rank, e.g. "cuda:host/1" or "cpu"
 
 
 class JobResult(_Message):
@@ -161,29 +164,40 @@ class BatchRecord(_Message):
 
 class NodeInfo(_Message):
     name: str
-    backend: Literal["cpu", "metal", "cuda"]
+    backend: Device
     memory_bytes: int  # what ringq may use on this node
     available_bytes: int  # free right now (min of the limit and what the OS reports)
     address: str  # where this node's ranks listen
     device: str = "cpu"  # what its ranks compute on, e.g. "cuda:1 NVIDIA H200" or "cpu"
+    gpu: str | None = None  # the physical GPU it owns, "host/index"; None on CPU and Metal
     pid: int
     started_at: float
     heartbeat_at: float
 
 
 class GroupSpec(_Message):
-    """A ring group as the dispatcher plans it; each node agent starts one rank of it."""
+    """A group as the dispatcher planned it (admission.group_plan): each node agent starts one
+    rank of it, and the ranks follow it without deciding anything again. Only group fields live
+    here; a job's own (chunk tokens) are in its Placement."""
 
     group_id: str
-    job_id: str
+    job_id: str  # the job it was started for
     model: str
     addresses: list[str]  # "host:port" per rank
     nodes: list[str]  # node name per rank
-    chunk_tokens: int
-    strategy: Literal["single", "ring", "pipeline"] = "ring"
-    exchange: Literal["rotate", "allgather"] = "rotate"  # how ring ranks share K/V blocks
-    decode_kv: Literal["replicated", "sharded"] = "replicated"  # KV layout after a ring prefill
+    strategy: Strategy = "ring"
+    kv_layout: KVLayout = Field(
+        default="replicated", validation_alias=AliasChoices("kv_layout", "decode_kv")
+    )
+    exchange: Exchange = "rotate"  # how ring ranks share K/V blocks
+    transport: Transport = "ring"  # the mx.distributed backend the ranks join
+    devices: list[str] = []  # per rank, e.g. "cuda:host/1" or "cpu"
+    compute_dtype: str | None = None  # None: float32 on CPU, the model's dtype elsewhere
     idle_s: float = 0.0  # after its job, the group waits this long for another (warm groups)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.nodes)
 
 
 def check_job_id(job_id: str) -> str:

@@ -5,12 +5,12 @@ from pathlib import Path
 from typing import Literal
 
 import platformdirs
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RINGQ_", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="RINGQ_", frozen=True, populate_by_name=True)
 
     redis_url: str | None = Field(
         default=None, description="Use this Redis instead of starting the embedded one."
@@ -21,14 +21,20 @@ class Settings(BaseSettings):
     )
     blas: str = Field(default="auto", description="'auto' preloads OpenBLAS on CPU nodes; 'off'.")
     default_model: str = "smollm2"
-    prefill_chunk_tokens: int = Field(default=512, gt=0)
+    prefill_chunk_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="Force every job's prefill chunk; unset: 512 on CPU, on GPUs the largest up "
+        "to 16384 that fits memory (admission/group_plan.py says why).",
+    )
     exchange: Literal["auto", "rotate", "allgather"] = Field(
         default="auto",
         description="How ring ranks share K/V: auto = allgather on CUDA nodes (NCCL has no "
         "send/recv), rotate elsewhere.",
     )
-    decode_kv: Literal["auto", "replicated", "sharded"] = Field(
+    kv_layout: Literal["auto", "replicated", "sharded"] = Field(
         default="auto",
+        validation_alias=AliasChoices("RINGQ_KV_LAYOUT", "RINGQ_DECODE_KV"),  # the old name
         description="KV layout of ring groups: sharded keeps 1/N of the KV per rank (decode "
         "merges per-rank partial attention); replicated keeps all of it on every rank; auto: "
         "replicated where it fits, sharded where only that fits.",
@@ -56,7 +62,17 @@ class Settings(BaseSettings):
     rank_port_base: int = Field(default=29500, gt=1023, lt=65000)
     rank_port_span: int = Field(default=500, gt=0)
     max_document_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
-    job_ttl_s: int = Field(default=7 * 24 * 3600, gt=0)
+    job_ttl_s: int = Field(
+        default=7 * 24 * 3600,
+        gt=0,
+        description="How long a job's record, tokens, flags and batch keys are kept.",
+    )
+    node_max_groups: int = Field(
+        default=2,
+        gt=0,
+        description="Groups a CPU node runs at once (they share its cores); a GPU node runs one "
+        "group per GPU, within its memory.",
+    )
     stall_timeout_s: float = Field(
         default=300.0,
         gt=0,
@@ -74,6 +90,24 @@ class Settings(BaseSettings):
         ge=0,
         description="A group whose job finished stays loaded this long for the next job of the "
         "same model and layout (0: every job starts and loads a group of its own).",
+    )
+    backend: Literal["auto", "cpu", "cuda", "metal"] = Field(
+        default="auto",
+        description="What a node computes on: auto = metal on macOS, cuda where NVIDIA GPUs are "
+        "visible, else cpu.",
+    )
+    warm_up: bool = Field(
+        default=True,
+        description="GPU groups run their kernels once while loading (two chunks, two decode "
+        "steps), so the first job does not pay for compilation.",
+    )
+    parent_pid: int | None = Field(
+        default=None, description="Internal: `ringq up` sets it; its services exit with it."
+    )
+    rank_memory_limit_bytes: int | None = Field(
+        default=None,
+        description="Internal: a node agent sets it for its ranks (the node's memory budget), "
+        "so ranks sharing a GPU stay within their shares.",
     )
     prefix_cache: Literal["on", "off"] = Field(
         default="on",

@@ -17,12 +17,15 @@ from jobs.errors import (
 )
 from jobs.lifecycle import JobState, can_transition
 from jobs.schemas import JobRecord, JobSpec, NodeInfo, Progress
+from jobs.settings import get_settings
 
 
 class JobStore:
-    def __init__(self, conn: redis.Redis, job_ttl_s: int = 7 * 24 * 3600):
+    def __init__(self, conn: redis.Redis, job_ttl_s: int | None = None):
+        """`job_ttl_s`: how long records, tokens and flags live; default RINGQ_JOB_TTL_S (read
+        here, once, so that no caller can forget it)."""
         self.conn = conn
-        self.job_ttl_s = job_ttl_s
+        self.job_ttl_s = job_ttl_s if job_ttl_s is not None else get_settings().job_ttl_s
 
     def create(self, job_id: str, spec: JobSpec) -> JobRecord:
         if not self.conn.hsetnx(keys.job(job_id), "id", json.dumps(job_id)):

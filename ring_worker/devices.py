@@ -10,26 +10,50 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import cast
+
+from admission.vocabulary import Device
 
 log = logging.getLogger(__name__)
 
 NVIDIA_GPUS_DIR = Path("/proc/driver/nvidia/gpus")
 CUDA_MEMORY_FRACTION = 0.92  # of the free memory when the rank starts: CUDA context, NCCL buffers
+CPU_LOCAL_NODES = 2  # `ringq up` on a machine without GPUs
 
-Backend = Literal["cpu", "metal", "cuda"]
 
-
-def node_backend() -> Backend:
-    """RINGQ_BACKEND when set (cpu / cuda), else metal on macOS, cuda where NVIDIA GPUs are
+def node_backend(forced: str = "auto") -> Device:
+    """`forced` (RINGQ_BACKEND) unless "auto"; else metal on macOS, cuda where NVIDIA GPUs are
     visible, cpu elsewhere."""
-    forced = os.environ.get("RINGQ_BACKEND")
     if forced in ("cpu", "cuda", "metal"):
-        return cast(Backend, forced)
+        return cast(Device, forced)
     if sys.platform == "darwin":
         return "metal"
     return "cuda" if visible_gpus() else "cpu"
+
+
+@dataclass(frozen=True)
+class LocalNode:
+    """One node agent `ringq up` starts: its name and the GPU it is pinned to (None: CPU)."""
+
+    name: str
+    gpu: str | None = None
+    shares_gpu: bool = False  # another local node is pinned to the same GPU
+
+
+def local_nodes(gpus: list[str], count: int | None, prefix: str = "node") -> list[LocalNode]:
+    """`ringq up`'s layout (pure): one node per GPU by default, each pinned to its own; with
+    more nodes than GPUs they take turns (and share, which the caller says); on CPU, `count`
+    nodes (default 2)."""
+    if not gpus:
+        return [LocalNode(f"{prefix}-{i}") for i in range(count or CPU_LOCAL_NODES)]
+    count = count or len(gpus)
+    pinned = [gpus[i % len(gpus)] for i in range(count)]
+    return [
+        LocalNode(f"{prefix}-{i}", gpu, shares_gpu=pinned.count(gpu) > 1)
+        for i, gpu in enumerate(pinned)
+    ]
 
 
 def visible_gpus() -> list[str]:
@@ -55,18 +79,40 @@ def installed_gpus() -> tuple[str, ...]:
     return tuple(str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU "))
 
 
-def rank_device_environment(local_rank: int) -> dict[str, str]:
-    """Environment for the `local_rank`-th rank started on this machine: its own GPU (when the
-    machine has CUDA GPUs) and NCCL_NVLS_ENABLE=0."""
-    gpus = visible_gpus() if node_backend() == "cuda" else []
+def rank_device_environment(local_rank: int, backend: str = "auto") -> dict[str, str]:
+    """Environment for the `local_rank`-th rank started by this process: a GPU of its own while
+    there are enough (a pinned node agent sees one), NCCL_NVLS_ENABLE=0, and nvidia-smi's device
+    order, so that CUDA's device i is the one whose memory nvidia-smi reports."""
+    gpus = visible_gpus() if node_backend(backend) == "cuda" else []
     if not gpus:
         return {}
-    return {"CUDA_VISIBLE_DEVICES": gpus[local_rank % len(gpus)], "NCCL_NVLS_ENABLE": "0"}
+    return {
+        "CUDA_VISIBLE_DEVICES": gpus[local_rank % len(gpus)],
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "NCCL_NVLS_ENABLE": "0",
+    }
 
 
-def cuda_memory_bytes() -> tuple[int, int] | None:
-    """(free, total) bytes of the first visible GPU, from nvidia-smi; None where it cannot say."""
-    gpus = visible_gpus()
+@functools.cache
+def gpu_name(index: str) -> str:
+    """The product name of GPU `index` ("NVIDIA H200"), or "" where nvidia-smi cannot say."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--id={index}", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.strip().splitlines()[0] if out.strip() else ""
+
+
+def cuda_memory_bytes(gpu: str | None = None) -> tuple[int, int] | None:
+    """(free, total) bytes of GPU `gpu` (default: the first visible one), from nvidia-smi; None
+    where it cannot say."""
+    gpus = [gpu] if gpu is not None else visible_gpus()
     if not gpus:
         return None
     try:
@@ -88,8 +134,9 @@ def cuda_memory_bytes() -> tuple[int, int] | None:
     return free_mib * 1024**2, total_mib * 1024**2
 
 
-def cap_device_memory() -> int | None:
-    """In a rank process on CUDA: limit MLX below the GPU's free memory. Returns the limit."""
+def cap_device_memory(budget_bytes: int | None = None) -> int | None:
+    """In a rank process on CUDA: limit MLX below the GPU's free memory, and to the node's
+    budget where it has one (ranks sharing a GPU each get their share). Returns the limit."""
     import mlx.core as mx
 
     if not mx.cuda.is_available():
@@ -99,6 +146,8 @@ def cap_device_memory() -> int | None:
         log.warning("cannot read the GPU's free memory (nvidia-smi); MLX runs without a limit")
         return None
     limit = int(memory[0] * CUDA_MEMORY_FRACTION)
+    if budget_bytes:
+        limit = min(limit, budget_bytes)
     mx.set_memory_limit(limit)
     log.info("MLX memory limit %.1f GiB (free %.1f GiB)", limit / 1024**3, memory[0] / 1024**3)
     return limit

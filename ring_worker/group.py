@@ -5,13 +5,13 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-Backend = Literal["ring", "nccl"]
+from admission.vocabulary import Transport
 
 
 def join_group(
-    addresses: list[str], rank: int, scratch_dir: Path, backend: Backend = "ring"
+    addresses: list[str], rank: int, scratch_dir: Path, backend: Transport = "ring"
 ) -> Any:
     """Join the group of `addresses` ("host:port", one per rank) as `rank`; None when alone.
     NCCL bootstraps from rank 0's address."""
@@ -36,15 +36,6 @@ def join_group(
             f"joined as {group.rank()}/{group.size()}, expected {rank}/{len(addresses)}"
         )
     return group
-
-
-def group_backend(strategy: str, exchange: str) -> Backend:
-    """NCCL where every collective the strategy needs is one NCCL has (a CUDA ring exchanging K/V
-    by all-gather); MLX's ring backend elsewhere (rotation and pipelines need send/recv)."""
-    import mlx.core as mx
-
-    cuda = mx.cuda.is_available()
-    return "nccl" if cuda and strategy == "ring" and exchange == "allgather" else "ring"
 
 
 def free_loopback_ports(count: int, host: str = "127.0.0.1") -> list[int]:

@@ -4,25 +4,37 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Optional, Protocol
 
+from admission.group_plan import CPU_CHUNK_TOKENS
 from jobs.cancel import cancel_requested, mark_cancelled
-from jobs.errors import IllegalTransitionError
+from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundError
 from jobs.lifecycle import JobState
 from jobs.recovery import report_group_failure
-from jobs.schemas import JobResult, JobSpec, Progress
+from jobs.schemas import GroupSpec, JobResult, JobSpec, Progress
 from jobs.store import JobStore
+from jobs.warm_groups import WarmGroups
 
 log = logging.getLogger(__name__)
 CANCEL_POLL_INTERVAL_S = 0.2  # Redis is asked at most this often (every rank, chunk and step)
+PLACEMENT_WAIT_S = 10.0  # a warm group's job is handed over just before its placement is written
 
 
 class JobIO(Protocol):
+    """Everything a rank reads or reports about its jobs goes through this."""
+
     job_id: str
 
     def spec(self) -> JobSpec: ...
     def tokens(self) -> list[int]: ...
+    def chunk_tokens(self) -> int: ...
+    def kept_tokens(self, job_id: str) -> list[int]: ...
+    def next_job(
+        self, group: GroupSpec, rank: int, kick: Callable[[], None]
+    ) -> Optional["JobIO"]: ...
+    def await_placement(self) -> bool: ...
     def enter(self, phase: JobState, total: int) -> None: ...
     def progress(self, progress: Progress) -> None: ...
     def finish(self, result: JobResult) -> None: ...
@@ -48,6 +60,40 @@ class RedisJobIO:
 
     def tokens(self) -> list[int]:
         return self.store.get_tokens(self.job_id)
+
+    def chunk_tokens(self) -> int:
+        placement = self.store.get(self.job_id).placement
+        return (placement.chunk_tokens if placement else None) or CPU_CHUNK_TOKENS
+
+    def kept_tokens(self, job_id: str) -> list[int]:
+        return self.store.get_tokens(job_id)
+
+    def next_job(
+        self, group: GroupSpec, rank: int, kick: Callable[[], None]
+    ) -> "RedisJobIO | None":
+        """The group's next job (jobs.warm_groups); rank 0 first offers the group again."""
+        warm = WarmGroups(self.store.conn)
+        if rank == 0:
+            placement = self.store.get(self.job_id).placement
+            warm.offer(group, placement.bytes_per_node if placement else 0)
+        job_id = warm.wait_for_job(group, rank, group.idle_s, kick=kick)
+        return None if job_id is None else RedisJobIO(self.store, job_id, self.group_id)
+
+    def await_placement(self) -> bool:
+        """Whether the job is placed on this group, once the dispatcher has recorded it (False
+        when the job ended or went elsewhere first)."""
+        deadline = time.monotonic() + PLACEMENT_WAIT_S
+        while True:
+            try:
+                record = self.store.get(self.job_id)
+            except JobNotFoundError:
+                return False
+            placement = record.placement
+            if placement is not None and placement.group_id == self.group_id:
+                return record.state == JobState.ADMITTED
+            if record.state.is_final or time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
 
     def enter(self, phase: JobState, total: int) -> None:
         """Move the job to `phase`; a job cancelled meanwhile stays cancelled (its ranks stop at
@@ -95,6 +141,7 @@ class FileJobIO:
         self.job_id = job["id"]
         self._spec = JobSpec.model_validate(job["spec"])
         self._tokens = job["tokens"]
+        self._chunk_tokens = int(job.get("chunk_tokens") or CPU_CHUNK_TOKENS)
         self.events_path = events_path
 
     def spec(self) -> JobSpec:
@@ -102,6 +149,18 @@ class FileJobIO:
 
     def tokens(self) -> list[int]:
         return self._tokens
+
+    def chunk_tokens(self) -> int:
+        return self._chunk_tokens
+
+    def kept_tokens(self, job_id: str) -> list[int]:
+        raise InvalidJobError("cache_from needs the service (ringq submit)")
+
+    def next_job(self, group: GroupSpec, rank: int, kick: Callable[[], None]) -> None:
+        return None  # `ringq run` runs one job
+
+    def await_placement(self) -> bool:
+        return True
 
     def enter(self, phase: JobState, total: int) -> None:
         self._write("progress", Progress(phase=phase, total=total).model_dump(mode="json"))

@@ -7,9 +7,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
+from admission.estimate import Layout
+from admission.group_plan import GroupPlan, NodeFacts, default_chunk_tokens, plan_group
+from admission.vocabulary import Exchange, KVLayout, Strategy
+from jobs.model_catalog import default_dtype, resolve_model
 from jobs.schemas import GroupSpec, JobResult, JobSpec, Progress
+from ring_worker.devices import node_backend, visible_gpus
 from ring_worker.group import free_loopback_ports
 from ring_worker.processes import rank_environment, spawn_rank, terminate_all
 
@@ -25,37 +29,43 @@ def run_local(
     spec: JobSpec,
     tokens: list[int],
     ring_size: int,
-    chunk_tokens: int,
+    chunk_tokens: int | None,
     *,
     scratch_root: Path,
-    strategy: Literal["single", "ring", "pipeline"] | None = None,
-    exchange: Literal["rotate", "allgather"] = "rotate",
-    decode_kv: Literal["replicated", "sharded"] = "replicated",
+    strategy: Strategy | None = None,
+    exchange: Exchange | None = None,
+    kv_layout: KVLayout = "replicated",
     blas: str = "auto",
+    backend: str = "auto",
     on_progress: Callable[[Progress], None] | None = None,
     timeout_s: float | None = None,
     stop: threading.Event | None = None,
 ) -> JobResult:
     """Spawn `ring_size` ranks on loopback, feed them the job through files, follow their
-    events. Raises LocalRunError with the ranks' own reason when the job fails."""
+    events. The group follows the same plan as the service's (admission.group_plan): a GPU per
+    rank while there are enough, NCCL only then. Raises LocalRunError with the ranks' own reason
+    when the job fails."""
     scratch_root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"run-{job_id}-", dir=scratch_root))
+    layout = Layout(strategy or ("single" if ring_size == 1 else "ring"), ring_size, kv_layout)
+    plan = local_plan(layout, spec.model, chunk_tokens, exchange, backend)
     group = GroupSpec(
         group_id=scratch.name,
         job_id=job_id,
         model=spec.model,
         addresses=[f"127.0.0.1:{p}" for p in free_loopback_ports(ring_size)],
-        nodes=["local"] * ring_size,
-        chunk_tokens=chunk_tokens,
-        strategy=strategy or ("single" if ring_size == 1 else "ring"),
-        exchange=exchange,
-        decode_kv=decode_kv,
+        nodes=list(plan.nodes),
+        strategy=plan.layout.strategy,
+        kv_layout=plan.layout.kv_layout,
+        exchange=plan.exchange,
+        transport=plan.transport,
+        devices=list(plan.devices),
+        compute_dtype=plan.compute_dtype,
     )
     (scratch / "group.json").write_text(group.model_dump_json())
     job_file = scratch / "job.json"
-    job_file.write_text(
-        json.dumps({"id": job_id, "spec": spec.model_dump(mode="json"), "tokens": tokens})
-    )
+    job = {"id": job_id, "spec": spec.model_dump(mode="json"), "tokens": tokens}
+    job_file.write_text(json.dumps({**job, "chunk_tokens": plan.chunk_tokens}))
     events = scratch / "events.jsonl"
     events.touch()
     threads = max(1, (os.cpu_count() or 1) // ring_size)
@@ -73,7 +83,7 @@ def run_local(
                 "--events-file",
                 str(events),
             ],
-            rank_environment(blas, threads=threads, local_rank=rank),
+            rank_environment(blas, threads=threads, local_rank=rank, backend=backend),
             scratch / f"rank{rank}.log",
         )
         for rank in range(ring_size)
@@ -82,6 +92,29 @@ def run_local(
         return follow(procs, events, scratch, on_progress, timeout_s, stop)
     finally:
         terminate_all(procs)
+
+
+def local_plan(
+    layout: Layout,
+    model: str,
+    chunk_tokens: int | None,
+    exchange: Exchange | None,
+    backend: str = "auto",
+) -> GroupPlan:
+    """The plan for ranks on this machine: rank i on GPU i mod G (sharing when fewer)."""
+    device = node_backend(backend)
+    gpus = visible_gpus() if device == "cuda" else []
+    facts = [
+        NodeFacts("local", device, f"local/{gpus[i % len(gpus)]}" if gpus else None)
+        for i in range(layout.size)
+    ]
+    return plan_group(
+        layout,
+        facts,
+        model_dtype=default_dtype(resolve_model(model)),
+        chunk_tokens=chunk_tokens or default_chunk_tokens(device),
+        exchange=exchange,
+    )
 
 
 def follow(procs, events: Path, scratch: Path, on_progress, timeout_s, stop) -> JobResult:

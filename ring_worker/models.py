@@ -88,12 +88,16 @@ def load_model(
 
 
 def load_for_this_device(
-    source: ModelSource, prune: Callable[[nn.Module], object] | None = None
+    source: ModelSource,
+    prune: Callable[[nn.Module], object] | None = None,
+    dtype: str | None = None,
 ) -> nn.Module:
-    """What a rank computes with: on CPU dense float32 (4-bit / bf16 matmul is 10-20x slower
-    there), elsewhere the model's own dtype and quantisation."""
+    """What a rank computes with: `dtype` where its group's plan names one; else on CPU dense
+    float32 (4-bit / bf16 matmul is 10-20x slower there), elsewhere the model's own dtype and
+    quantisation."""
     cpu = not (mx.metal.is_available() or mx.cuda.is_available())
-    return load_model(source, dtype=mx.float32 if cpu else None, dequantize=cpu, prune=prune)
+    chosen = getattr(mx, dtype) if dtype else (mx.float32 if cpu else None)
+    return load_model(source, dtype=chosen, dequantize=cpu, prune=prune)
 
 
 def _random_model(config: dict[str, Any], dtype: mx.Dtype, seed: int = 0) -> nn.Module:

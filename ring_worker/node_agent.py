@@ -6,6 +6,7 @@ exit by themselves when their agent dies."""
 
 import logging
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -16,7 +17,7 @@ import psutil
 import redis
 
 from jobs import keys
-from jobs.errors import JobNotFoundError
+from jobs.errors import JobNotFoundError, RingqError
 from jobs.recovery import current_job, lose_group
 from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, NodeInfo
@@ -24,7 +25,7 @@ from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import node_queue
 from jobs.workers import service_worker
-from ring_worker.devices import cuda_memory_bytes, node_backend
+from ring_worker.devices import cuda_memory_bytes, gpu_name, node_backend, visible_gpus
 from ring_worker.processes import rank_environment, spawn_rank, terminate_all
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class NodeAgent:
         *,
         address: str = "127.0.0.1",
         memory_limit_bytes: int | None = None,
+        share_gpu: bool = False,
     ):
         self.name = name
         self.conn = conn
@@ -65,24 +67,55 @@ class NodeAgent:
         self.reservations = Reservations(conn, settings.reservation_lease_s)
         self.scratch = settings.home / "nodes" / name
         self.scratch.mkdir(parents=True, exist_ok=True)
+        self.backend = node_backend(settings.backend)
+        gpus = visible_gpus() if self.backend == "cuda" else []
+        self.gpu = gpus[0] if gpus else None  # an agent owns one GPU (`ringq node --gpus`)
+        self.share_gpu = share_gpu
+        self.host = socket.gethostname()
 
     def info(self) -> NodeInfo:
         """Memory admission may plan with: the GPU's on CUDA nodes, host memory elsewhere."""
-        backend = node_backend()
-        cuda = cuda_memory_bytes() if backend == "cuda" else None
+        cuda = cuda_memory_bytes() if self.backend == "cuda" else None
         free, total = cuda or (psutil.virtual_memory().available, psutil.virtual_memory().total)
         limit = min(self.memory_limit_bytes or total, total)
         available = min(limit, free)
+        device = "cpu" if self.gpu is None else f"cuda:{self.gpu} {gpu_name(self.gpu)}".strip()
         return NodeInfo(
             name=self.name,
-            backend=backend,
+            backend=self.backend,
             memory_bytes=limit,
             available_bytes=available,
             address=self.address,
+            device=device if self.backend != "metal" else "metal",
+            gpu=None if self.gpu is None else f"{self.host}/{self.gpu}",
             pid=os.getpid(),
             started_at=self.started_at,
             heartbeat_at=time.time(),
         )
+
+    def claim_gpu(self) -> None:
+        """Own this agent's GPU, or stop with a clear error when another live agent does: two
+        ranks on one GPU would fail later in NCCL. `share_gpu` (ringq up --nodes N > GPUs)
+        shares on purpose."""
+        if self.gpu is None or self.share_gpu:
+            return
+        key = keys.gpu_owner(self.host, self.gpu)
+        ttl_ms = int(self.settings.node_ttl_s * 1000)
+        if self.conn.set(key, self.name, nx=True, px=ttl_ms):
+            return
+        owner = self.conn.get(key)
+        owner_name = owner.decode() if isinstance(owner, bytes) else str(owner)
+        if owner_name != self.name:
+            raise RingqError(
+                f"GPU {self.gpu} on {self.host} already belongs to node {owner_name}: give each "
+                "node agent its own GPU (`ringq node --gpus N`), or stop the other agent"
+            )
+        self.conn.pexpire(key, ttl_ms)
+
+    def renew_gpu(self) -> None:
+        if self.gpu is not None and not self.share_gpu:
+            key = keys.gpu_owner(self.host, self.gpu)
+            self.conn.set(key, self.name, px=int(self.settings.node_ttl_s * 1000))
 
     def start_rank(self, group: GroupSpec, rank: int) -> bool:
         """Start one rank, unless its group is already failed or its job has moved on (a command
@@ -112,7 +145,10 @@ class NodeAgent:
             self.settings.blas,
             threads=max(1, (os.cpu_count() or 1) // local_ranks),
             local_rank=group.nodes[:rank].count(self.name),
+            backend=self.settings.backend,
         )
+        if self.memory_limit_bytes:
+            env["RINGQ_RANK_MEMORY_LIMIT_BYTES"] = str(self.memory_limit_bytes)
         process = spawn_rank(argv, env, log_path)
         with self.lock:
             self.ranks.append(RankProcess(group, rank, process, log_path))
@@ -135,6 +171,7 @@ class NodeAgent:
     def heartbeat_forever(self) -> None:
         while not self.stopping.is_set():
             try:
+                self.renew_gpu()
                 self.store.put_node(self.info(), self.settings.node_ttl_s)
             except redis.RedisError as exc:
                 log.warning("node %s: heartbeat failed: %s", self.name, exc)
@@ -180,6 +217,7 @@ class NodeAgent:
 
     def run(self) -> None:
         """Serve until SIGINT/SIGTERM; then stop every rank this agent started."""
+        self.claim_gpu()
         threads = [
             threading.Thread(target=f, daemon=True, name=f.__name__)
             for f in (self.heartbeat_forever, self.monitor_forever)
@@ -196,6 +234,8 @@ class NodeAgent:
             with self.lock:
                 terminate_all([rp.process for rp in self.ranks])
             self.store.remove_node(self.name)
+            if self.gpu is not None and not self.share_gpu:
+                self.conn.delete(keys.gpu_owner(self.host, self.gpu))
 
 
 _agent: NodeAgent | None = None

@@ -27,14 +27,14 @@ def find_openblas() -> str | None:
 
 
 def rank_environment(
-    blas: str = "auto", threads: int | None = None, local_rank: int = 0
+    blas: str = "auto", threads: int | None = None, local_rank: int = 0, backend: str = "auto"
 ) -> dict[str, str]:
     """Environment for the `local_rank`-th rank process on this machine. CPU: MLX's Linux wheel
     links reference BLAS; preloading OpenBLAS makes fp32 matmul 25-35x faster (design.md),
     `blas="off"` disables it. CUDA: one GPU per rank (ring_worker/devices.py)."""
     env = dict(os.environ)
-    backend = node_backend()
-    env.update(rank_device_environment(local_rank))
+    backend = node_backend(backend)
+    env.update(rank_device_environment(local_rank, backend))
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "openblas" not in p]
     wanted = blas != "off" and sys.platform.startswith("linux")
     openblas = find_openblas() if wanted and backend == "cpu" else None

@@ -14,15 +14,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from jobs.errors import InvalidJobError, ModelLoadError, RingqError
+from jobs.errors import ModelLoadError, RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import ChatTokenizer, load_tokenizer, resolve_model
 from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
-from jobs.settings import get_settings
-from jobs.warm_groups import WarmGroups
+from jobs.settings import Settings
 from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
-from ring_worker.group import group_backend, join_group
+from ring_worker.group import join_group
 from ring_worker.job_io import FileJobIO, JobIO, RedisJobIO
 from ring_worker.kept_cache import load_cache, save_cache
 from ring_worker.models import load_for_this_device
@@ -36,51 +35,61 @@ PROGRESS_INTERVAL_S = 0.25
 IDLE_GRACE_S = 60.0  # a warm group's ranks wait this much longer than its idle time
 
 
-def serve(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path, watchdog: Watchdog) -> None:
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank was started with: its group's plan, its rank, its scratch dir and settings."""
+
+    group: GroupSpec
+    rank: int
+    scratch_dir: Path
+    settings: Settings
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+
+def serve(ctx: RankContext, io: JobIO, watchdog: Watchdog) -> None:
     """Load once and run the group's job; a warm group (group.idle_s > 0) then runs the jobs the
     dispatcher gives it, until it has been idle that long."""
     started = time.perf_counter()
-    if rank == 0:
+    if ctx.lead:
         io.enter(JobState.LOADING, len(io.tokens()))
-    engine, tokenizer = start_engine(group, rank, io, scratch_dir)
+    engine, tokenizer = start_engine(ctx, io)
     load_s = time.perf_counter() - started
-    log.info("job %s rank %d: loaded %s in %.1fs", io.job_id, rank, group.model, load_s)
+    log.info("job %s rank %d: loaded %s in %.1fs", io.job_id, ctx.rank, ctx.group.model, load_s)
     job: JobIO | None = io
     while job is not None:
         try:
-            run_job(engine, tokenizer, group, rank, job, watchdog, load_s)
+            run_job(engine, tokenizer, ctx, job, watchdog, load_s)
         except Cancelled as exc:  # every rank stops this job together; the group lives on
-            log.info("job %s rank %d: cancelled, %s", job.job_id, rank, exc)
-            if rank == 0:
+            log.info("job %s rank %d: cancelled, %s", job.job_id, ctx.rank, exc)
+            if ctx.lead:
                 job.cancelled(f"cancelled: {exc}")
         load_s = 0.0
-        job = next_job(group, rank, job, watchdog)
+        job = next_job(ctx, engine, job, watchdog)
 
 
 def run_job(
     engine: Engine,
     tokenizer: ChatTokenizer,
-    group: GroupSpec,
-    rank: int,
+    ctx: RankContext,
     io: JobIO,
     watchdog: Watchdog,
     load_s: float,
 ) -> None:
-    lead = rank == 0
+    lead = ctx.lead
     spec, tokens = io.spec(), io.tokens()
-    home = get_settings().home
+    home = ctx.settings.home
     cache, reused = None, 0
     if spec.cache_from is not None:
-        if not isinstance(io, RedisJobIO):
-            raise InvalidJobError("cache_from needs the service (ringq submit)")
-        kept = io.store.get_tokens(spec.cache_from)
-        cache, reused = load_cache(home, spec.cache_from, kept, tokens)
+        cache, reused = load_cache(home, spec.cache_from, io.kept_tokens(spec.cache_from), tokens)
     report = kicking(watchdog, throttled(io, lead))
     enter(io, lead, watchdog, JobState.PREFILL, len(tokens) - reused)
     prefill_started_at = time.time()
     prefill = engine.prefill(
         tokens[reused:],
-        group.chunk_tokens,
+        io.chunk_tokens(),
         on_progress=report,
         should_stop=io.should_stop,
         cache=cache,
@@ -104,49 +113,74 @@ def run_job(
         result = job_result(spec, tokenizer, len(tokens), load_s, prefill, decoded, peaks)
         extra = {"prefill_started_at": prefill_started_at, "cached_tokens": reused}
         io.finish(result.model_copy(update=extra))
-    log.info("job %s rank %d: done", io.job_id, rank)
+    log.info("job %s rank %d: done", io.job_id, ctx.rank)
 
 
-def next_job(group: GroupSpec, rank: int, io: JobIO, watchdog: Watchdog) -> JobIO | None:
-    """A warm group's next job (jobs.warm_groups): every rank waits in Redis for the dispatcher's
-    word, all get the same. None: the group retires."""
-    if group.idle_s <= 0 or not isinstance(io, RedisJobIO):
+def next_job(ctx: RankContext, engine: Engine, io: JobIO, watchdog: Watchdog) -> JobIO | None:
+    """A warm group's next job: every rank waits in Redis for the dispatcher's word and all get
+    the same. The dispatcher hands a job over before it records the placement, so every rank
+    waits for that record, and the ranks agree to skip a job that never became theirs (it was
+    cancelled meanwhile). None: the group retires."""
+    group = ctx.group
+    if group.idle_s <= 0:
         return None
-    watchdog.kick("idle", group.idle_s + IDLE_GRACE_S)
-    warm = WarmGroups(io.store.conn)
-    if rank == 0:
-        placement = io.store.get(io.job_id).placement
-        warm.offer(group, placement.bytes_per_node if placement else 0)
-    job_id = warm.wait_for_job(group, rank, group.idle_s, kick=watchdog.kick)
-    if job_id is None:
-        log.info("group %s rank %d: idle for %g s, retiring", group.group_id, rank, group.idle_s)
-        return None
-    job = RedisJobIO(io.store, job_id, group.group_id)
-    if rank == 0:
-        job.enter(JobState.LOADING, len(job.tokens()))  # already loaded: straight through
-    return job
+    while True:
+        watchdog.kick("idle", group.idle_s + IDLE_GRACE_S)
+        job = io.next_job(group, ctx.rank, watchdog.kick)
+        if job is None:
+            log.info("group %s rank %d: idle, retiring", group.group_id, ctx.rank)
+            return None
+        votes = engine.gather_ints(int(job.await_placement()))
+        if all(votes):
+            if ctx.lead:
+                job.enter(JobState.LOADING, len(job.tokens()))  # already loaded: straight on
+            return job
+        log.info(
+            "group %s rank %d: job %s is not ours, skipped", group.group_id, ctx.rank, job.job_id
+        )
+        io = job
 
 
-def start_engine(
-    group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path
-) -> tuple[Engine, ChatTokenizer]:
-    """Join the group and load the model; ranks of a job cancelled meanwhile stop together."""
-    cap_device_memory()
-    backend = group_backend(group.strategy, group.exchange)
-    mx_group = join_group(group.addresses, rank, scratch_dir, backend)
+def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
+    """Join the group and load the model as its plan says; ranks of a job cancelled meanwhile
+    stop together."""
+    group, rank = ctx.group, ctx.rank
+    cap_device_memory(ctx.settings.rank_memory_limit_bytes)
+    mx_group = join_group(group.addresses, rank, ctx.scratch_dir, group.transport)
     stop_if_cancelled(mx_group, io, "before loading the model")
     source = resolve_model(group.model)
     prune = None
-    if group.strategy == "pipeline" and len(group.addresses) > 1:
-        prune = partial(keep_stage, rank=rank, size=len(group.addresses))
+    if group.strategy == "pipeline" and group.ranks > 1:
+        prune = partial(keep_stage, rank=rank, size=group.ranks)
     try:
-        model = load_for_this_device(source, prune)
+        model = load_for_this_device(source, prune, group.compute_dtype)
     except (OSError, ValueError, RuntimeError) as exc:  # a new placement would fail the same way
         raise ModelLoadError(f"cannot load model {group.model}: {exc}") from exc
     tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
     stop_if_cancelled(mx_group, io, "after loading the model")
-    engine = make_engine(model, mx_group, group.strategy, group.exchange, group.decode_kv)
+    engine = make_engine(model, mx_group, group.strategy, group.exchange, group.kv_layout)
+    warm_up(engine, io.chunk_tokens(), ctx)
     return engine, tokenizer
+
+
+def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> None:
+    """On GPUs, run the kernels the group's jobs will need once while loading: a prefill of two
+    chunks (the first chunk's shapes and one with a past) and two decode steps, on token 0. The
+    first job then starts with compiled kernels, graphs and NCCL set up (cold vs warm in
+    bench/results/h200-service/). CPU kernels need no warm-up."""
+    if not ctx.settings.warm_up or not (mx.cuda.is_available() or mx.metal.is_available()):
+        return
+    started = time.perf_counter()
+    prefill = engine.prefill([0] * (2 * chunk_tokens), chunk_tokens)
+    engine.decode(prefill, 2)
+    mx.clear_cache()
+    log.info(
+        "job %s rank %d: warmed up (%d-token chunks) in %.1fs",
+        ctx.group.job_id,
+        ctx.rank,
+        chunk_tokens,
+        time.perf_counter() - started,
+    )
 
 
 def stop_if_cancelled(mx_group: Any, io: JobIO, when: str) -> None:
@@ -246,21 +280,23 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s job={group.job_id} rank={args.rank} %(message)s",
     )
+    settings = Settings()  # read once, at the process edge, and passed down
     exit_with_parent()
-    io = make_io(args, group)
-    return run_guarded(group, args.rank, io, args.group.parent)
+    ctx = RankContext(group, args.rank, args.group.parent, settings)
+    return run_guarded(ctx, make_io(args, ctx))
 
 
-def run_guarded(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path) -> int:
+def run_guarded(ctx: RankContext, io: JobIO) -> int:
     """The process edge: a watchdog over the whole run; cancel exits 0 on every rank (rank 0
     records it); any other error is recorded on the job and exits 1."""
+    group, rank = ctx.group, ctx.rank
     where = f"rank {rank} ({group.nodes[rank]})"
-    stall_timeout_s = get_settings().stall_timeout_s
+    stall_timeout_s = ctx.settings.stall_timeout_s
     watchdog = Watchdog(
         group.job_id, rank, stall_timeout_s, on_stall=lambda reason: io.fail(f"{where}: {reason}")
     ).start("loading", loading_timeout_s(stall_timeout_s))
     try:
-        serve(group, rank, io, scratch_dir, watchdog)
+        serve(ctx, io, watchdog)
     except Cancelled as exc:  # before the model was loaded
         log.info("job %s rank %d: cancelled, %s", group.job_id, rank, exc)
         if rank == 0:
@@ -278,14 +314,14 @@ def run_guarded(group: GroupSpec, rank: int, io: JobIO, scratch_dir: Path) -> in
     return 0
 
 
-def make_io(args: argparse.Namespace, group: GroupSpec) -> JobIO:
+def make_io(args: argparse.Namespace, ctx: RankContext) -> JobIO:
     if args.redis_url:
         from jobs.redis_server import SERVICE_RIDE_OUT_S, connect
         from jobs.store import JobStore
 
         conn = connect(args.redis_url, ride_out_s=SERVICE_RIDE_OUT_S)
-        store = JobStore(conn, get_settings().job_ttl_s)
-        return RedisJobIO(store, group.job_id, group.group_id)
+        store = JobStore(conn, ctx.settings.job_ttl_s)
+        return RedisJobIO(store, ctx.group.job_id, ctx.group.group_id)
     return FileJobIO(args.job_file, args.events_file)
 
 

@@ -82,7 +82,6 @@ def busy(redis_conn):
         model="smollm2",
         addresses=["127.0.0.1:1"],
         nodes=["node-0"],
-        chunk_tokens=512,
         strategy="single",
     )
     WarmGroups(redis_conn).offer(idle, 2 * GiB)

@@ -56,7 +56,6 @@ def place(store: JobStore, job_id: str, group_id: str, nodes=("n0", "n1")) -> Gr
         model="random:tiny-llama",
         nodes=list(nodes),
         addresses=[f"127.0.0.1:{30000 + i}" for i in range(len(nodes))],
-        chunk_tokens=64,
     )
     track_group(store.conn, group)
     return group

@@ -1,27 +1,64 @@
-"""Which GPU each local rank gets, decided without MLX."""
+"""Which GPU each node and rank gets, decided without MLX (pure functions of what a machine
+reports)."""
 
 import pytest
 
-from ring_worker.devices import node_backend, rank_device_environment, visible_gpus
+from ring_worker.devices import (
+    LocalNode,
+    local_nodes,
+    node_backend,
+    rank_device_environment,
+    visible_gpus,
+)
 
 
 def test_cuda_visible_devices_is_split_one_per_rank(monkeypatch):
-    monkeypatch.setenv("RINGQ_BACKEND", "cuda")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
     assert visible_gpus() == ["2", "3"]
-    assert rank_device_environment(0) == {"CUDA_VISIBLE_DEVICES": "2", "NCCL_NVLS_ENABLE": "0"}
-    assert rank_device_environment(1)["CUDA_VISIBLE_DEVICES"] == "3"
-    assert rank_device_environment(2)["CUDA_VISIBLE_DEVICES"] == "2"  # more ranks than GPUs
+    assert rank_device_environment(0, "cuda") == {
+        "CUDA_VISIBLE_DEVICES": "2",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "NCCL_NVLS_ENABLE": "0",
+    }
+    assert rank_device_environment(1, "cuda")["CUDA_VISIBLE_DEVICES"] == "3"
+    assert rank_device_environment(2, "cuda")["CUDA_VISIBLE_DEVICES"] == "2"  # more ranks
 
 
 @pytest.mark.parametrize("devices", ["", "-1"])
 def test_no_visible_gpu_means_no_device_environment(monkeypatch, devices):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", devices)
-    monkeypatch.delenv("RINGQ_BACKEND", raising=False)
     assert visible_gpus() == [] and rank_device_environment(0) == {}
 
 
 def test_backend_can_be_forced(monkeypatch):
-    monkeypatch.setenv("RINGQ_BACKEND", "cpu")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    assert node_backend() == "cpu" and rank_device_environment(0) == {}
+    assert node_backend("cpu") == "cpu" and rank_device_environment(0, "cpu") == {}
+    assert node_backend("cuda") == "cuda"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "count", "expected"),
+    [
+        # no GPU: two CPU nodes by default, or as many as asked
+        ([], None, [LocalNode("node-0"), LocalNode("node-1")]),
+        ([], 3, [LocalNode("node-0"), LocalNode("node-1"), LocalNode("node-2")]),
+        # one node per GPU, each pinned to its own
+        (["0", "1"], None, [LocalNode("node-0", "0"), LocalNode("node-1", "1")]),
+        (["0"], None, [LocalNode("node-0", "0")]),
+        # fewer nodes than GPUs: the first ones
+        (["0", "1", "2"], 2, [LocalNode("node-0", "0"), LocalNode("node-1", "1")]),
+        # more nodes than GPUs: they take turns, and the ones that share say so
+        (["0"], 2, [LocalNode("node-0", "0", True), LocalNode("node-1", "0", True)]),
+        (
+            ["0", "1"],
+            3,
+            [
+                LocalNode("node-0", "0", True),
+                LocalNode("node-1", "1"),
+                LocalNode("node-2", "0", True),
+            ],
+        ),
+    ],
+)
+def test_up_gives_every_gpu_its_own_node(gpus, count, expected):
+    assert local_nodes(gpus, count) == expected

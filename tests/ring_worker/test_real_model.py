@@ -5,7 +5,7 @@ from importlib.resources import files
 
 import pytest
 
-from jobs.dispatcher import tokenize_and_check
+from jobs.prompts import tokenize_and_check
 from jobs.schemas import JobSpec
 from ring_worker.local_group import run_local
 

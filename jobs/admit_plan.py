@@ -1,0 +1,203 @@
+"""The dispatcher's plan step (pure): from one read of the job and of the cluster, Place or Wait;
+a job that can never fit raises AdmissionError (Reject). jobs/dispatcher.py commits the result.
+
+How a layout is chosen (the reason is stored on the placement and shown by `ringq status`):
+- a prompt shorter than RINGQ_RING_MIN_TOKENS, or a retry, takes the fewest nodes that fit;
+- a backlog on GPUs (at least as many jobs waiting as there are free GPUs) also takes the fewest
+  nodes: a ring of N finishes one job about 0.95 N times faster than one GPU (ring-2 was 1.90x
+  single on 2xH200), so N jobs side by side finish a backlog sooner than N rings one by one;
+- otherwise a long prompt takes as many nodes as fit (fastest prefill: a lone 128K job rings).
+"""
+
+import sys
+from dataclasses import dataclass, field
+
+from admission.estimate import Layout
+from admission.group_plan import GroupPlan, NodeFacts, plan_group
+from admission.model_shape import ModelShape
+from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
+from admission.vocabulary import DTYPE_BYTES
+from jobs.errors import AdmissionError
+from jobs.schemas import GroupSpec, JobKind, JobRecord, NodeInfo
+from jobs.settings import Settings
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job ready to plan: its record (read once), prompt tokens and model facts."""
+
+    record: JobRecord
+    tokens: list[int]
+    shape: ModelShape  # in float32 (CPU); GPUs plan in `model_dtype`
+    model_dtype: str
+
+    @property
+    def new_tokens(self) -> int:
+        spec = self.record.spec
+        return spec.max_tokens if spec.kind == JobKind.GENERATE else 0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the dispatcher read of the cluster for this admission."""
+
+    nodes: list[NodeInfo]  # live, fresh ones (only the cache holder for cache_from jobs)
+    held: dict[str, dict[str, int]]  # node -> group id -> reserved bytes
+    idle: list[tuple[GroupSpec, int]]  # warm groups waiting for a job, with bytes they hold
+    waiting_jobs: int = 0  # other admissions queued behind this one
+    known_nodes: int = 0  # ever registered (to tell "none yet" from "all gone")
+
+
+@dataclass(frozen=True)
+class Place:
+    plan: GroupPlan
+    bytes_per_node: int
+    reason: str
+    reuse: GroupSpec | None = None  # an idle warm group of this plan's shape
+    held_bytes: int = 0  # what `reuse` holds per node now
+
+
+@dataclass(frozen=True)
+class Wait:
+    reason: str
+    evict: list[GroupSpec] = field(default_factory=list)  # idle groups asked to make way
+
+
+def plan_admission(job: Job, cluster: Cluster, settings: Settings) -> Place | Wait:
+    if not cluster.nodes:
+        if cluster.known_nodes:
+            return Wait(
+                f"no node agent is live right now ({cluster.known_nodes} registered before): "
+                "waiting for one"
+            )
+        raise AdmissionError("no live nodes: start one with `ringq node` (or `ringq up`)")
+    request, reason = placement_request(job, cluster, settings)
+    if cluster.idle and (warm := plan_warm(job, cluster, request, settings, reason)):
+        return warm
+    try:
+        chosen = plan_placement(job.shape, request, capacities(job, cluster, settings))
+    except CannotPlace as busy:
+        try:  # would it fit once the running groups are done?
+            plan_placement(job.shape, request, capacities(job, cluster, settings, empty=True))
+        except CannotPlace as never:
+            raise AdmissionError(str(never)) from None
+        reason = f"waiting for memory or a free device that running groups hold: {busy}"
+        return Wait(reason, evict=[group for group, _ in cluster.idle])
+    plan = group_plan(job, cluster, chosen.layout, chosen.nodes, chosen.chunk_tokens, settings)
+    return Place(plan, chosen.bytes_per_node, reason)
+
+
+def plan_warm(
+    job: Job, cluster: Cluster, request: PlacementRequest, settings: Settings, reason: str
+) -> Place | None:
+    """An idle group with the plan a fresh group would get if idle groups made way."""
+    try:
+        chosen = plan_placement(job.shape, request, capacities(job, cluster, settings, idle=True))
+    except CannotPlace:
+        return None
+    live = {n.name for n in cluster.nodes}
+    for group, held in cluster.idle:
+        if not set(group.nodes) <= live or len(group.nodes) != chosen.layout.size:
+            continue
+        plan = group_plan(job, cluster, chosen.layout, group.nodes, chosen.chunk_tokens, settings)
+        if runs_like(group, job, plan):
+            need = max(held, chosen.bytes_per_node)
+            return Place(plan, need, reason + "; reusing warm group", group, held)
+    return None
+
+
+def runs_like(group: GroupSpec, job: Job, plan: GroupPlan) -> bool:
+    """Whether `group` is what a fresh group for this job and plan would be (group fields
+    only: a job's chunk size may differ)."""
+    return (
+        group.model == job.record.spec.model
+        and group.strategy == plan.layout.strategy
+        and group.kv_layout == plan.layout.kv_layout
+        and group.exchange == plan.exchange
+        and group.transport == plan.transport
+        and (group.compute_dtype or plan.compute_dtype) == plan.compute_dtype
+    )
+
+
+def placement_request(
+    job: Job, cluster: Cluster, settings: Settings
+) -> tuple[PlacementRequest, str]:
+    spec = job.record.spec
+    prompt = len(job.tokens)
+    ring_min, reason = settings.ring_min_tokens, "long prompt: as many nodes as fit"
+    if prompt < settings.ring_min_tokens:
+        reason = f"prompt under {settings.ring_min_tokens} tokens: fewest nodes that fit"
+    if job.record.attempt:
+        ring_min, reason = sys.maxsize, "a retry: fewest nodes that fit (the lost group may "
+        reason += "have been a broken link)"
+    elif backlog(cluster):
+        ring_min = sys.maxsize
+        reason = (
+            f"backlog of {cluster.waiting_jobs + 1} jobs for {len(cluster.nodes)} GPUs: one job "
+            "per GPU finishes it sooner than rings"
+        )
+    if spec.ring_size != "auto" or spec.sharding.value != "auto":
+        reason = "as asked"
+    cached = spec.keep_cache or spec.cache_from
+    request = PlacementRequest(
+        prompt_tokens=prompt,
+        max_new_tokens=job.new_tokens,
+        chunk_tokens=settings.prefill_chunk_tokens,
+        ring_size=None if spec.ring_size == "auto" else spec.ring_size,
+        sharding="single" if cached else spec.sharding.value,
+        ring_min_tokens=ring_min,
+        kv_layout=settings.kv_layout,
+    )
+    return request, reason
+
+
+def backlog(cluster: Cluster) -> bool:
+    gpus = [n for n in cluster.nodes if n.backend == "cuda"]
+    return len(gpus) == len(cluster.nodes) > 1 and cluster.waiting_jobs + 1 >= len(gpus)
+
+
+def capacities(
+    job: Job, cluster: Cluster, settings: Settings, *, idle: bool = False, empty: bool = False
+) -> list[NodeCapacity]:
+    """What admission may still promise per node: its budget less what running groups hold
+    (`idle`: idle warm groups count as free; `empty`: nothing runs). A node already running as
+    many groups as it may (RINGQ_NODE_MAX_GROUPS on CPU, one per GPU) has nothing to give."""
+    idle_ids = {group.group_id for group, _ in cluster.idle} if idle else set()
+    found = []
+    for node in cluster.nodes:
+        held = {} if empty else cluster.held.get(node.name, {})
+        busy = {g: b for g, b in held.items() if g not in idle_ids}
+        limit = 1 if node.backend == "cuda" else settings.node_max_groups
+        free = node.memory_bytes - sum(busy.values()) if len(busy) < limit else 0
+        found.append(capacity(node, free, job.model_dtype))
+    return found
+
+
+def capacity(node: NodeInfo, free_bytes: int, model_dtype: str) -> NodeCapacity:
+    cpu = node.backend == "cpu"
+    dtype_bytes = None if cpu else DTYPE_BYTES.get(model_dtype)
+    return NodeCapacity(node.name, free_bytes, dense_weights=cpu, compute_dtype_bytes=dtype_bytes)
+
+
+def group_plan(
+    job: Job,
+    cluster: Cluster,
+    layout: Layout,
+    names: tuple[str, ...] | list[str],
+    chunk_tokens: int,
+    settings: Settings,
+) -> GroupPlan:
+    by_name = {n.name: n for n in cluster.nodes}
+    facts = [node_facts(by_name[name]) for name in names]
+    exchange = None if settings.exchange == "auto" else settings.exchange
+    return plan_group(
+        layout,
+        facts,
+        model_dtype=job.model_dtype,
+        chunk_tokens=chunk_tokens,
+        exchange=exchange,
+    )
+
+
+def node_facts(node: NodeInfo) -> NodeFacts:
+    return NodeFacts(node.name, node.backend, node.gpu)

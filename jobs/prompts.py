@@ -1,0 +1,38 @@
+"""A job's prompt tokens, and the check that they fit its model's context."""
+
+from admission.model_shape import ModelShape
+from jobs.errors import InvalidJobError
+from jobs.model_catalog import load_tokenizer, read_model_shape, resolve_model
+from jobs.schemas import JobKind, JobSpec
+
+CPU_COMPUTE_DTYPE = "float32"  # admission plans in float32; GPU nodes scale it to their dtype
+
+
+def tokenize_and_check(
+    spec: JobSpec, tokens: list[int] | None = None
+) -> tuple[list[int], ModelShape]:
+    """The job's prompt tokens (given ones are reused) and its model's shape (float32);
+    InvalidJobError past the model's context."""
+    tokens = prompt_tokens(spec) if tokens is None else tokens
+    shape = read_model_shape(resolve_model(spec.model), dtype=CPU_COMPUTE_DTYPE)
+    if len(tokens) + new_tokens(spec) > shape.context_length:
+        raise InvalidJobError(
+            f"prompt of {len(tokens)} tokens (+{new_tokens(spec)} to generate) exceeds "
+            f"{spec.model}'s context of {shape.context_length} tokens; shorten the document"
+        )
+    return tokens, shape
+
+
+def new_tokens(spec: JobSpec) -> int:
+    return spec.max_tokens if spec.kind == JobKind.GENERATE else 0
+
+
+def prompt_tokens(spec: JobSpec) -> list[int]:
+    tokenizer = load_tokenizer(resolve_model(spec.model))
+    if spec.kind == JobKind.PREFILL and spec.keep_cache:
+        # as a generate job's prompt begins: its cache then serves questions on this document
+        return tokenizer.chat_tokens([{"role": "user", "content": spec.document.rstrip()}])
+    if spec.kind == JobKind.PREFILL:
+        return tokenizer.encode(spec.document)
+    message = "\n\n".join(part for part in (spec.document.rstrip(), spec.prompt_text()) if part)
+    return tokenizer.chat_tokens([{"role": "user", "content": message}])

@@ -1,0 +1,137 @@
+"""The dispatcher's plan step, as a pure function: Place / Wait / Reject from one reading of a
+job and the cluster (no Redis)."""
+
+import time
+
+import pytest
+
+from admission.vocabulary import Transport
+from jobs.admit_plan import Cluster, Job, Place, Wait, plan_admission
+from jobs.errors import AdmissionError
+from jobs.lifecycle import JobState
+from jobs.model_catalog import read_model_shape, resolve_model
+from jobs.schemas import GroupSpec, JobKind, JobRecord, JobSpec, NodeInfo, Progress
+from jobs.settings import Settings
+
+GIB = 1024**3
+MODEL = "random:llama-3.1-8b"
+
+
+def job(tokens: int, **spec_fields) -> Job:
+    spec = JobSpec(kind=JobKind.PREFILL, document="x", model=MODEL, **spec_fields)
+    now = time.time()
+    record = JobRecord(
+        id="j1",
+        kind=spec.kind,
+        state=JobState.QUEUED,
+        spec=spec,
+        progress=Progress(phase=JobState.QUEUED),
+        created_at=now,
+        updated_at=now,
+    )
+    shape = read_model_shape(resolve_model(MODEL), dtype="float32")
+    return Job(record, list(range(tokens)), shape, "bfloat16")
+
+
+def gpu(name: str, index: int, memory_gib: float = 130) -> NodeInfo:
+    return NodeInfo(
+        name=name,
+        backend="cuda",
+        memory_bytes=int(memory_gib * GIB),
+        available_bytes=int(memory_gib * GIB),
+        address="127.0.0.1",
+        device=f"cuda:{index} NVIDIA H200",
+        gpu=f"hostA/{index}",
+        pid=1,
+        started_at=0.0,
+        heartbeat_at=time.time(),
+    )
+
+
+def cpu(name: str, memory_gib: float = 64) -> NodeInfo:
+    return gpu(name, 0, memory_gib).model_copy(update={"backend": "cpu", "gpu": None})
+
+
+SETTINGS = Settings(redis_url=None)
+GPUS = [gpu("g0", 0), gpu("g1", 1)]
+
+
+def test_a_lone_long_job_rings_over_both_gpus_with_nccl_in_bf16():
+    place = plan_admission(job(131072), Cluster(GPUS, {}, []), SETTINGS)
+    assert isinstance(place, Place)
+    plan = place.plan
+    assert (plan.layout.strategy, plan.ranks, plan.transport) == ("ring", 2, "nccl")
+    assert (plan.exchange, plan.compute_dtype, plan.chunk_tokens) == (
+        "allgather",
+        "bfloat16",
+        16384,
+    )
+    assert "long prompt" in place.reason
+
+
+def test_a_backlog_on_gpus_runs_one_job_per_gpu():
+    place = plan_admission(job(32768), Cluster(GPUS, {}, [], waiting_jobs=5), SETTINGS)
+    assert isinstance(place, Place) and place.plan.layout.strategy == "single"
+    assert "backlog of 6 jobs for 2 GPUs" in place.reason
+
+
+def test_a_gpu_runs_one_group_at_a_time():
+    busy = {"g0": {"other": 20 * GIB}}
+    place = plan_admission(job(32768), Cluster(GPUS, busy, [], waiting_jobs=3), SETTINGS)
+    assert isinstance(place, Place) and place.plan.nodes == ("g1",)
+    both_busy = {"g0": {"a": GIB}, "g1": {"b": GIB}}
+    assert isinstance(plan_admission(job(32768), Cluster(GPUS, both_busy, []), SETTINGS), Wait)
+
+
+def test_cpu_nodes_run_at_most_node_max_groups():
+    nodes = [cpu("c0")]
+    tiny = Settings(redis_url=None, node_max_groups=2)
+    two = {"c0": {"a": GIB, "b": GIB}}
+    assert isinstance(plan_admission(job(100), Cluster(nodes, {"c0": {"a": GIB}}, []), tiny), Place)
+    assert isinstance(plan_admission(job(100), Cluster(nodes, two, []), tiny), Wait)
+
+
+def test_gpu_estimates_are_in_the_models_dtype():
+    """The 8B model's bf16 weights (16 GB) fit a 24 GiB GPU; in float32 (32 GB) they would not."""
+    place = plan_admission(job(8192), Cluster([gpu("g0", 0, memory_gib=24)], {}, []), SETTINGS)
+    assert isinstance(place, Place) and place.bytes_per_node < 24 * GIB
+
+
+def test_a_job_that_never_fits_is_rejected_and_one_that_fits_later_waits():
+    small = [gpu("g0", 0, memory_gib=8)]
+    with pytest.raises(AdmissionError, match="does not fit"):
+        plan_admission(job(8192), Cluster(small, {}, []), SETTINGS)
+    held = {"g0": {"running": 100 * GIB}}
+    wait = plan_admission(job(8192), Cluster([gpu("g0", 0)], held, []), SETTINGS)
+    assert isinstance(wait, Wait) and "running groups" in wait.reason
+
+
+def test_no_live_node_waits_when_some_were_known_and_rejects_when_none_ever_were():
+    assert isinstance(plan_admission(job(10), Cluster([], {}, [], known_nodes=2), SETTINGS), Wait)
+    with pytest.raises(AdmissionError, match="no live nodes"):
+        plan_admission(job(10), Cluster([], {}, []), SETTINGS)
+
+
+def idle_group(nodes: list[str], transport: Transport = "nccl") -> GroupSpec:
+    return GroupSpec(
+        group_id="warm1",
+        job_id="old",
+        model=MODEL,
+        addresses=["127.0.0.1:1"] * len(nodes),
+        nodes=nodes,
+        strategy="ring" if len(nodes) > 1 else "single",
+        exchange="allgather",
+        transport=transport if len(nodes) > 1 else "ring",
+        compute_dtype="bfloat16",
+    )
+
+
+def test_an_idle_group_of_the_same_plan_is_reused_and_others_are_asked_to_make_way():
+    warm = idle_group(["g0", "g1"])
+    held = {"g0": {"warm1": 30 * GIB}, "g1": {"warm1": 30 * GIB}}
+    place = plan_admission(job(131072), Cluster(GPUS, held, [(warm, 30 * GIB)]), SETTINGS)
+    assert isinstance(place, Place) and place.reuse == warm and place.held_bytes == 30 * GIB
+    # a different plan (a rotate group where NCCL is wanted) is not reused: it is evicted
+    other = idle_group(["g0", "g1"], transport="ring").model_copy(update={"exchange": "rotate"})
+    wait = plan_admission(job(131072), Cluster(GPUS, held, [(other, 30 * GIB)]), SETTINGS)
+    assert isinstance(wait, Wait) and wait.evict == [other]
