@@ -78,3 +78,7 @@ def prefix_entry_tokens(entry_id: str) -> str:
 
 def prefix_entry_shards(entry_id: str) -> str:
     return f"{PREFIX}:prefix:entry:{entry_id}:shards"  # hash: rank -> JSON CacheShard, while kept
+
+
+def prefix_pending(block_key: str) -> str:
+    return f"{PREFIX}:prefix:pending:{block_key}"  # job id prefilling this block chain right now

@@ -46,6 +46,7 @@ recomputes a little more). RINGQ_PREFIX_CACHE=off turns matching and keeping off
 
 import hashlib
 from array import array
+from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import PurePath
 from typing import Literal
@@ -54,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 BLOCK_TOKENS = 256
 KEEP_MIN_NEW_FRACTION = 0.25
+WAIT_MIN_FRACTION = 0.5  # of a prompt an in-flight prefill must stand for, for a job to wait
 
 Layout = Literal["single", "ring", "pipeline"]
 
@@ -110,6 +112,32 @@ class CacheEntry(_Message):
         if self.layout == "ring":
             shape += f" {self.kv_layout}"
         return f"{shape} on {','.join(self.nodes())}"
+
+
+@dataclass(frozen=True)
+class PrefixHint:
+    """What the dispatcher read about a job's prompt prefix (block level): the best kept entry
+    and the longest prefill of the same prefix in flight."""
+
+    kept_tokens: int = 0
+    kept_nodes: tuple[str, ...] = ()
+    kept_from: str | None = None  # e.g. "job 3f2a (ring-2 sharded on n1,n2)"
+    pending_job: str | None = None
+    pending_tokens: int = 0
+
+
+def wait_for_pending(hint: PrefixHint, prompt_tokens: int) -> str | None:
+    """Why to wait for an in-flight prefill of this prompt's prefix, or None to go ahead.
+    Waiting when it stands for at least half the prompt beyond what is kept costs at most that
+    job's remaining prefill: about what this job would spend computing the same tokens, while
+    the waiting leaves the nodes to other work."""
+    gain = hint.pending_tokens - hint.kept_tokens
+    if hint.pending_job is None or gain < WAIT_MIN_FRACTION * prompt_tokens:
+        return None
+    return (
+        f"waiting for job {hint.pending_job}, which is prefilling the same "
+        f"{hint.pending_tokens}-token prefix: this job then computes only the rest"
+    )
 
 
 def block_keys(

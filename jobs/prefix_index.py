@@ -134,6 +134,44 @@ class PrefixIndex:
         return entry
 
 
+class PendingPrefixes:
+    """Prompts being prefilled right now, by block chain: a job whose prefix another job is
+    computing waits for it instead of computing it too (one prefill, many questions). A marker
+    expires after `ttl_s`, and one of a job that ended is ignored."""
+
+    def __init__(self, conn: redis.Redis, ttl_s: float):
+        self.conn = conn
+        self.ttl_s = ttl_s
+
+    def mark(self, job_id: str, model_key: str, tokens: Sequence[int]) -> None:
+        with self.conn.pipeline(transaction=False) as pipe:
+            for block in block_keys(model_key, tokens):
+                pipe.set(keys.prefix_pending(block), job_id, px=int(self.ttl_s * 1000))
+            pipe.execute()
+
+    def longest(self, model_key: str, tokens: Sequence[int]) -> tuple[str, int] | None:
+        """(job id, blocks) of the in-flight prefill sharing most leading blocks, if any."""
+        chain = block_keys(model_key, tokens)
+        if not chain:
+            return None
+        owners = self.conn.mget([keys.prefix_pending(b) for b in chain])
+        blocks = longest_present([o is not None for o in owners])
+        if blocks == 0:
+            return None
+        return _text(cast(bytes | str, owners[blocks - 1])), blocks
+
+    def clear(self, job_id: str, model_key: str, tokens: Sequence[int]) -> None:
+        names = [keys.prefix_pending(b) for b in block_keys(model_key, tokens)]
+        if not names:
+            return
+        owners = self.conn.mget(names)
+        mine = [
+            n for n, o in zip(names, owners, strict=True) if o is not None and _text(o) == job_id
+        ]
+        if mine:
+            self.conn.delete(*mine)
+
+
 def _used(entry: CacheEntry, now: float) -> CacheEntry:
     return entry.model_copy(update={"last_used_at": now})
 

@@ -7,14 +7,16 @@ import pytest
 from jobs.prefix_cache import (
     BLOCK_TOKENS,
     CacheEntry,
+    PrefixHint,
     CacheShard,
     block_keys,
     choose_entry,
     exact_reuse_tokens,
     longest_present,
+    wait_for_pending,
     worth_keeping,
 )
-from jobs.prefix_index import PrefixIndex
+from jobs.prefix_index import PendingPrefixes, PrefixIndex
 
 DOC = list(range(1000, 1000 + 3 * BLOCK_TOKENS + 40))  # 3 full blocks and a partial one
 
@@ -117,3 +119,39 @@ def test_touch_moves_an_entry_to_the_front(redis_conn):
     assert index.get("old").last_used_at == 3.0
     for entry_id in ("old", "new"):
         index.remove(entry_id)
+
+
+def test_pending_prefixes_mark_find_and_clear(redis_conn):
+    pending = PendingPrefixes(redis_conn, ttl_s=60)
+    pending.mark("job-a", "pm", DOC)
+    question = DOC[: 2 * BLOCK_TOKENS] + [9] * BLOCK_TOKENS
+    assert pending.longest("pm", question) == ("job-a", 2)
+    assert pending.longest("pm", DOC + [1]) == ("job-a", 3)
+    assert pending.longest("other", DOC) is None
+    pending.clear("job-b", "pm", DOC)  # not its markers
+    assert pending.longest("pm", DOC) == ("job-a", 3)
+    pending.clear("job-a", "pm", DOC)
+    assert pending.longest("pm", DOC) is None
+
+
+def test_pending_markers_expire(redis_conn):
+    pending = PendingPrefixes(redis_conn, ttl_s=0.05)
+    pending.mark("job-x", "px", DOC)
+    time.sleep(0.2)
+    assert pending.longest("px", DOC) is None
+
+
+@pytest.mark.parametrize(
+    ("hint", "prompt", "waits"),
+    [
+        (PrefixHint(), 1000, False),
+        (PrefixHint(pending_job="a", pending_tokens=768), 1000, True),
+        (PrefixHint(pending_job="a", pending_tokens=256), 1000, False),  # too little of it
+        (PrefixHint(768, ("n1",), "b", "a", 768), 1000, False),  # already kept
+    ],
+)
+def test_wait_for_pending(hint, prompt, waits):
+    reason = wait_for_pending(hint, prompt)
+    assert (reason is not None) is waits
+    if waits:
+        assert "job a" in reason
