@@ -46,8 +46,8 @@ recomputes a little more). RINGQ_PREFIX_CACHE=off turns matching and keeping off
 
 import hashlib
 from array import array
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Literal
 

@@ -7,8 +7,8 @@ import pytest
 from jobs.prefix_cache import (
     BLOCK_TOKENS,
     CacheEntry,
-    PrefixHint,
     CacheShard,
+    PrefixHint,
     block_keys,
     choose_entry,
     exact_reuse_tokens,
