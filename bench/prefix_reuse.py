@@ -110,8 +110,9 @@ def engine_level(model: str, questions: int, max_tokens: int, chunk: int) -> dic
             on, on_s = answer_all(engine, cache, all_tokens, max_tokens, chunk)
         finally:
             handle.stop()
-    return {"mode": "engine", "model": model, "questions": questions, "max_tokens": max_tokens,
-            "chunk_tokens": chunk, **summary(off, off_s, on, on_s), "off": off, "on": on}  # fmt: skip
+    setup = {"mode": "engine", "model": model, "questions": questions, "max_tokens": max_tokens,
+             "chunk_tokens": chunk}  # fmt: skip
+    return {**setup, **summary(off, off_s, on, on_s), "off": off, "on": on}
 
 
 def with_rank_environment() -> None:
