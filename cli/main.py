@@ -11,7 +11,7 @@ from cli.bench import bench
 from cli.cache import cache
 from cli.common import echo_json, expand_files, redis_connection
 from cli.local_run import run
-from cli.options import build_spec, job_options
+from cli.options import build_spec, submit_job_options
 from cli.render import describe, nodes_table, print_result, result_json, status_json, watch
 from cli.services import demo, dispatcher, node, up
 from cli.top import top
@@ -57,7 +57,7 @@ def cli() -> None:
 @cli.command()
 @click.argument("kind", type=click.Choice([k.value for k in JobKind]))
 @click.argument("files", nargs=-1, required=True, metavar="FILE...")
-@job_options
+@submit_job_options
 @click.option("--ring-size", default="auto", show_default=True, help="Ranks (nodes) or 'auto'.")
 @click.option(
     "--sharding",
@@ -86,7 +86,7 @@ def submit(
     kind,
     files,
     model,
-    prompt,
+    prompts,
     max_tokens,
     temperature,
     as_json,
@@ -100,21 +100,24 @@ def submit(
 
     FILE is a file, '-' (stdin), a directory (its files, sorted, not hidden ones) or a quoted
     glob pattern ('docs/*.txt'). Every file is read and checked before any job is enqueued.
-    With one plain FILE, --json prints one object; otherwise a list.
+    With one plain FILE, --json prints one object; otherwise a list. Several --prompt: one job
+    per FILE and question, in that order; jobs sharing a document prefill it once.
     """
     paths = expand_files(files)
-    if job_id and len(paths) > 1:
-        raise click.UsageError(f"--id names one job, but {len(paths)} files were given")
+    questions = list(prompts) or [None]
+    if job_id and len(paths) * len(questions) > 1:
+        raise click.UsageError("--id names one job: give one FILE and at most one --prompt")
     options = dict(
         model=model,
-        prompt=prompt,
         max_tokens=max_tokens,
         temperature=temperature,
         keep_cache=keep_cache,
         cache_from=cache_from,
     )
     specs = [
-        build_spec(kind, path, ring_size=ring_size, sharding=sharding, **options) for path in paths
+        build_spec(kind, path, prompt=q, ring_size=ring_size, sharding=sharding, **options)
+        for path in paths
+        for q in questions
     ]
     conn = redis_connection()
     if len(specs) == 1:
@@ -123,7 +126,7 @@ def submit(
         records = enqueue_jobs(conn, [(new_job_id(), spec) for spec in specs])
     if not as_json:
         click.echo("\n".join(record.id for record in records))
-    elif len(files) == 1 and paths == list(files):  # one plain FILE: one object, as before
+    elif len(specs) == 1 and paths == list(files):  # one plain FILE: one object, as before
         echo_json(status_json(records[0]))
     else:
         echo_json([status_json(record) for record in records])

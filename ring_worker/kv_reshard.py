@@ -52,6 +52,8 @@ def kv_at(shards: Sequence[ShardKV], layer: int, want: Ranges) -> tuple[mx.array
             values.append(v)
     if not keys:
         return None
+    if len(keys) == 1:  # a view, not a copy
+        return keys[0], values[0]
     return mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import redis
 
 from jobs import keys
@@ -24,8 +25,8 @@ from jobs.prefix_cache import (
     exact_reuse_tokens,
     worth_keeping,
 )
-from jobs.prefix_index import PrefixIndex
-from ring_worker.cache_store import CacheStore, read_cache_file
+from jobs.prefix_index import PrefixIndex, model_key
+from ring_worker.cache_store import CacheStore, node_store, read_cache_file
 from ring_worker.engine import Engine, PrefillResult
 from ring_worker.kv_reshard import ShardKV, build_cache, cache_arrays, clip_ranges, even_split
 
@@ -57,10 +58,31 @@ class RankView:
 
 @dataclass(frozen=True)
 class Reuse:
-    entry: CacheEntry
-    tokens: int  # prompt tokens taken from the entry
+    entry_id: str  # the job whose prompt KV it is
+    source: str  # where it came from, for the job's result: "memory" or the entry's layout
+    tokens: int  # prompt tokens taken from it
     cache: list[Any]  # this rank's rebuilt KV caches
     ranges: Ranges  # the positions they hold, in cache order
+
+
+@dataclass(frozen=True)
+class InMemory:
+    """The previous job's prompt KV, still in this rank's memory (a warm group's next job on the
+    same document starts from it without reading a file)."""
+
+    entry_id: str
+    tokens: list[int]
+    layers: list[tuple[Any, Any]]  # (keys, values) per layer of this rank, in cache order
+    ranges: Ranges
+
+    def reuse(self, view: RankView, tokens: list[int]) -> Reuse | None:
+        reuse = exact_reuse_tokens(self.tokens, tokens)
+        if reuse <= 0:
+            return None
+        want = clip_ranges(self.ranges, reuse) if view.sharded else [(0, reuse)]
+        shard = ShardKV(view.layers.start, tuple(self.ranges), self.layers)
+        cache = build_cache([shard], view.layers, want)
+        return None if cache is None else Reuse(self.entry_id, "memory", reuse, cache, want)
 
 
 def view_of(engine: Engine, node: str, layout: Layout, kv_layout: str) -> RankView:
@@ -104,7 +126,7 @@ def find_reuse(
         index.remove(entry.id)
         return None
     index.touch(entry.id)
-    return Reuse(entry, reuse, cache, want)
+    return Reuse(entry.id, entry.describe(), reuse, cache, want)
 
 
 def load_shards(entry: CacheEntry, layers: range, want: Ranges) -> list[ShardKV] | None:
@@ -127,7 +149,7 @@ def load_shards(entry: CacheEntry, layers: range, want: Ranges) -> list[ShardKV]
 def agree_on_reuse(engine: Engine, found: Reuse | None) -> Reuse | None:
     """Every rank reuses the same entry for the same tokens, or none does."""
     tokens = found.tokens if found is not None else -1
-    tag = _tag(found.entry.id) if found is not None else -1
+    tag = _tag(found.entry_id) if found is not None else -1
     if len(set(engine.gather_ints(tokens))) == 1 and len(set(engine.gather_ints(tag))) == 1:
         return found if tokens > 0 else None
     return None
@@ -202,23 +224,49 @@ def should_keep(prompt_tokens: int, reused: Reuse | None, pinned: bool) -> bool:
     return pinned or worth_keeping(prompt_tokens, reused.tokens if reused else 0)
 
 
-@dataclass(frozen=True)
+@dataclass
 class RankPrefixCache:
-    """One rank's handle on prefix reuse: the index, its node's store, where it sits."""
+    """One rank's handle on prefix reuse: the index, its node's store, where it sits, and the
+    previous job's prompt KV in memory."""
 
     index: PrefixIndex
     store: CacheStore
     view: RankView
     model_key: str
+    memory: InMemory | None = None
+
+    def find(self, engine: Engine, tokens: list[int]) -> Reuse | None:
+        """This rank's part of the kept prefix every rank of the group can use, if any: the
+        one in memory when it covers at least what the index offers (no file to read)."""
+        in_memory = self.memory.reuse(self.view, tokens) if self.memory is not None else None
+        kept_blocks = self.index.match(self.model_key, tokens).tokens
+        if in_memory is not None and in_memory.tokens >= kept_blocks:
+            return agree_on_reuse(engine, in_memory)
+        return agree_on_reuse(engine, find_reuse(self.index, self.model_key, tokens, self.view))
 
     def prefill(
         self, engine: Engine, tokens: list[int], chunk_tokens: int, **options: Any
     ) -> tuple[PrefillResult, Reuse | None]:
         """Prefill `tokens`, starting from a kept prefix when every rank can load one."""
-        reused = agree_on_reuse(engine, find_reuse(self.index, self.model_key, tokens, self.view))
+        reused = self.find(engine, tokens)
         rest = tokens[reused.tokens :] if reused is not None else tokens
         cache = reused.cache if reused is not None else None
         return engine.prefill(rest, chunk_tokens, cache=cache, **options), reused
+
+    def remember(
+        self, entry_id: str, tokens: list[int], cache: Sequence[Any], positions: Ranges
+    ) -> None:
+        """Hold the prompt's KV for the next job (views of the live cache's buffers where its
+        positions are contiguous: single, replicated, pipeline)."""
+        keep = clip_ranges(positions, len(tokens))
+        self.memory = None
+        if keep:
+            layers = cache_arrays(cache, positions, keep)
+            mx.eval(layers)
+            self.memory = InMemory(entry_id, list(tokens), layers, keep)
+
+    def forget(self) -> None:
+        self.memory = None
 
     def keep(
         self,
@@ -229,13 +277,14 @@ class RankPrefixCache:
         reused: Reuse | None,
         pinned: bool = False,
     ) -> CacheEntry | None:
-        """After the job, on every rank: keep the prompt's KV if it is worth it (see
-        jobs/prefix_cache.py); rank 0 returns the indexed entry."""
+        """After the job, on every rank: remember the prompt's KV in memory, and keep it on disk
+        if it is worth it (see jobs/prefix_cache.py); rank 0 returns the indexed entry."""
+        view = self.view
+        positions = cache_positions(reused, prefill)
+        self.remember(entry_id, tokens, prefill.cache, positions)
         if not should_keep(len(tokens), reused, pinned):
             return None
-        view = self.view
         if view.rank in view.writers:
-            positions = cache_positions(reused, prefill)
             shard, evicted = keep_shard(
                 self.store, view, entry_id, prefill.cache, positions, len(tokens), pinned
             )
@@ -252,6 +301,29 @@ class RankPrefixCache:
 
 def _tag(entry_id: str) -> int:
     return int(hashlib.sha256(entry_id.encode()).hexdigest()[:12], 16)
+
+
+def rank_prefix_cache(
+    conn: redis.Redis,
+    home: Path,
+    budget_bytes: int | None,
+    engine: Engine,
+    node: str,
+    layout: Layout,
+    kv_layout: str,
+    model: str,
+) -> RankPrefixCache:
+    """A rank's handle, from its group's facts (RINGQ_HOME, RINGQ_CACHE_BYTES)."""
+    view = view_of(engine, node, layout, kv_layout)
+    store = node_store(home, node, budget_bytes)
+    return RankPrefixCache(PrefixIndex(conn), store, view, model_key(model))
+
+
+def describe_source(reused: Reuse | None) -> str | None:
+    """For the job's result and `ringq status`: where its cached tokens came from."""
+    if reused is None:
+        return None
+    return f"job {reused.entry_id} ({reused.source})"
 
 
 @dataclass(frozen=True)

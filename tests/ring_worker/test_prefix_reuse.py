@@ -66,7 +66,9 @@ def forget(redis_conn, model_dir) -> None:
             index.remove(entry.id)
 
 
-def test_single_reuse_answers_as_recomputing(model_dir, redis_conn, tmp_path):
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_single_reuse_answers_as_recomputing(model_dir, redis_conn, tmp_path, tier):
+    """memory: one warm group answers in turn; disk: every question on a fresh group."""
     model = load_tiny(model_dir)
     engine = Engine(model)
     cache = single_cache(model_dir, redis_conn, tmp_path, engine)
@@ -79,6 +81,8 @@ def test_single_reuse_answers_as_recomputing(model_dir, redis_conn, tmp_path):
     ]
     try:
         for number, (tokens, reused) in enumerate(cases):
+            if tier == "disk":
+                cache.forget()
             got = answer(cache, engine, f"s{uuid.uuid4().hex[:6]}-{number}", tokens)
             assert got == (recomputed(model, tokens), reused), number
     finally:
@@ -93,6 +97,7 @@ def test_a_corrupt_kept_file_is_recomputed(model_dir, redis_conn, tmp_path, capl
         answer(cache, engine, f"c{uuid.uuid4().hex[:6]}", DOC + question(1))
         [kept] = cache.store.files()
         kept.path.write_bytes(kept.path.read_bytes()[:1000])  # truncated
+        cache.forget()  # a fresh group: nothing in memory
         tokens = DOC + question(3)
         assert answer(cache, engine, "after", tokens) == (recomputed(model, tokens), 0)
         assert "unreadable" in caplog.text
