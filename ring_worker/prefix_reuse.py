@@ -111,8 +111,14 @@ def find_reuse(
     match = index.match(model_key, tokens)
     usable = [e for e in match.entries if e.kv_dtype == view.kv_dtype]
     entry = choose_entry(usable, [view.node])
-    if entry is None:
-        return None
+    return None if entry is None else reuse_entry(index, entry, tokens, view)
+
+
+def reuse_entry(
+    index: PrefixIndex, entry: CacheEntry, tokens: list[int], view: RankView
+) -> Reuse | None:
+    """This rank's part of `entry` as far as `tokens` share it; None (the entry forgotten if
+    its files are gone or broken) to recompute."""
     kept = index.tokens(entry.id) or []
     reuse = exact_reuse_tokens(kept[: entry.tokens], tokens)
     if reuse <= 0:
@@ -244,6 +250,12 @@ class RankPrefixCache:
             return agree_on_reuse(engine, in_memory)
         return agree_on_reuse(engine, find_reuse(self.index, self.model_key, tokens, self.view))
 
+    def find_entry(self, engine: Engine, entry_id: str, tokens: list[int]) -> Reuse | None:
+        """The named entry (`--cache-from JOB`), if every rank can use it."""
+        entry = self.index.get(entry_id)
+        found = reuse_entry(self.index, entry, tokens, self.view) if entry is not None else None
+        return agree_on_reuse(engine, found)
+
     def prefill(
         self, engine: Engine, tokens: list[int], chunk_tokens: int, **options: Any
     ) -> tuple[PrefillResult, Reuse | None]:
@@ -284,19 +296,37 @@ class RankPrefixCache:
         self.remember(entry_id, tokens, prefill.cache, positions)
         if not should_keep(len(tokens), reused, pinned):
             return None
+        # Failures are logged, never raised, between the two collectives: every rank must
+        # reach both, and the job's answer already stands.
         if view.rank in view.writers:
-            shard, evicted = keep_shard(
-                self.store, view, entry_id, prefill.cache, positions, len(tokens), pinned
-            )
-            for gone in evicted:
-                self.index.remove(gone)
-            publish_shard(self.index.conn, entry_id, shard, view.rank)
+            try:
+                self._write(entry_id, tokens, prefill, positions, pinned)
+            except (OSError, ValueError, redis.RedisError) as exc:
+                log.warning("job %s rank %d: prefix not kept: %s", entry_id, view.rank, exc)
         engine.gather_ints(0)  # every shard is published before rank 0 reads them
         entry = None
         if view.rank == 0:
-            entry = register_entry(self.index, entry_id, self.model_key, view, tokens, pinned)
+            try:
+                entry = register_entry(self.index, entry_id, self.model_key, view, tokens, pinned)
+            except (ValueError, redis.RedisError) as exc:
+                log.warning("job %s rank 0: prefix not indexed: %s", entry_id, exc)
         engine.gather_ints(0)  # indexed before any rank looks for the next job's prefix
         return entry
+
+    def _write(
+        self,
+        entry_id: str,
+        tokens: list[int],
+        prefill: PrefillResult,
+        positions: Ranges,
+        pinned: bool,
+    ) -> None:
+        shard, evicted = keep_shard(
+            self.store, self.view, entry_id, prefill.cache, positions, len(tokens), pinned
+        )
+        for gone in evicted:
+            self.index.remove(gone)
+        publish_shard(self.index.conn, entry_id, shard, self.view.rank)
 
 
 def _tag(entry_id: str) -> int:
