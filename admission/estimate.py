@@ -8,8 +8,9 @@ rank's MLX peak is the larger of two phases, times a small margin:
 Process overhead (interpreter, MLX runtime) comes on top. The constants were fitted against
 `mx.get_peak_memory()` per rank over a grid of models, lengths and layouts on CPU
 (bench/calibrate_admission.py; the table is in bench/results/admission-calibration.md).
-On GPUs (fused attention, weights kept as stored) the same terms apply without the CPU ones;
-they are not calibrated there yet.
+On GPUs (fused attention, weights kept as stored, the model's dtype) the CPU terms drop out and
+measured GPU transients come in instead (`gpu_transient_bytes`), fitted on one H200 for single
+ranks (bench/results/h200-service/README.md); ring and pipeline GPU cells need two GPUs.
 """
 
 from dataclasses import dataclass
@@ -26,6 +27,15 @@ RING_SCORE_COPIES = 2.4  # ring partial attention: scores and their exp
 SHARDED_SCORE_COPIES = 2.2  # sharded ring: partials over every rank's past, merged per layer
 STORED_COPIES = 1.5  # dequantizing: packed weights plus float32 scales and biases
 EMBEDDING_TRANSIENT = 0.6  # of the dense embedding, while it is dequantized
+# Fitted on one H200 (MLX CUDA 0.32.4, bf16, 8B and 1B shapes, 8K-128K tokens, chunks 4K-16K):
+# mx.get_peak_memory() exceeded weights + KV + one layer's tensors by 0.8-12 GiB, about as much
+# again as the weights for the 8B shape and growing with the context for the 1B one. Why is not
+# known yet (MLX's CUDA allocator keeps freed buffers, and the peak may count them); these
+# bound every measured cell from above (predicted / measured 1.00-1.69).
+GPU_WEIGHT_TRANSIENT = 0.95  # of the rank's weights
+GPU_KV_TRANSIENT = 0.5  # of its KV
+GPU_ACTIVATION_COPIES = 6  # of one layer's hidden and MLP tensors for one chunk
+GPU_CHUNK_LOGIT_COPIES = 0.5  # of vocab x chunk in the compute dtype
 
 
 @dataclass(frozen=True)
@@ -104,11 +114,28 @@ def _rank_estimate(
     if layout.strategy == "ring" and layout.kv_layout == "sharded":
         kv_tokens = -(-context // layout.size) + -(-chunk_tokens // layout.size)
     kv = kv_per_token_layer * layers * _cache_tokens(kv_tokens)
+    weights = int(params * resident)
+    activations = activation_bytes(shape, layout, prompt_tokens, chunk_tokens, cpu)
+    if not cpu:
+        activations = gpu_transient_bytes(shape, weights, kv, activations, chunk_tokens)
     return MemoryEstimate(
-        weights_bytes=int(params * resident),
+        weights_bytes=weights,
         kv_bytes=kv,
-        activation_bytes=activation_bytes(shape, layout, prompt_tokens, chunk_tokens, cpu),
+        activation_bytes=activations,
         load_extra_bytes=load_extra,
+    )
+
+
+def gpu_transient_bytes(
+    shape: ModelShape, weights: int, kv: int, activations: int, chunk_tokens: int
+) -> int:
+    """What a GPU rank's MLX peak holds beyond its weights and KV during prefill (fitted)."""
+    logits = shape.vocab_size * chunk_tokens * shape.compute_dtype_bytes
+    return int(
+        GPU_WEIGHT_TRANSIENT * weights
+        + GPU_KV_TRANSIENT * kv
+        + GPU_ACTIVATION_COPIES * activations
+        + GPU_CHUNK_LOGIT_COPIES * logits
     )
 
 

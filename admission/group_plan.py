@@ -62,16 +62,27 @@ def plan_group(
     NCCL is used only where every rank has a GPU of its own (it cannot share one)."""
     if len(nodes) != layout.size:
         raise ValueError(f"{layout.label} needs {layout.size} nodes, got {len(nodes)}")
+    names = tuple(n.name for n in nodes)
+    if shares_a_gpu(nodes):
+        nodes = [NodeFacts(n.name, "cpu") for n in nodes]
+        chunk_tokens = min(chunk_tokens, CPU_CHUNK_TOKENS)
     chosen = exchange or default_exchange(nodes)
     return GroupPlan(
         layout=layout,
-        nodes=tuple(n.name for n in nodes),
+        nodes=names,
         devices=tuple(device_label(n) for n in nodes),
         exchange=chosen,
         transport=transport_for(layout, nodes, chosen),
         compute_dtype=compute_dtype(nodes, model_dtype),
         chunk_tokens=chunk_tokens,
     )
+
+
+def shares_a_gpu(nodes: Sequence[NodeFacts]) -> bool:
+    """A group with GPU ranks that do not each have a GPU of their own. Such a group computes
+    on CPU: NCCL refuses two ranks on one GPU, and MLX's ring backend with both ranks' arrays on
+    one H200 hung while loading (ringq demo, ring-2 of a 1B model, 300 s, 2026-12-01)."""
+    return len(nodes) > 1 and any(n.device == "cuda" for n in nodes) and not own_gpus(nodes)
 
 
 def default_exchange(nodes: Sequence[NodeFacts]) -> Exchange:

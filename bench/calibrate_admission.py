@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import cast
 
 from admission.estimate import KVLayout, Layout, Strategy, estimate_node_bytes
+from admission.group_plan import default_chunk_tokens
 from cli.bench import build_prompts
-from jobs.model_catalog import read_model_shape, resolve_model
+from jobs.model_catalog import default_dtype, read_model_shape, resolve_model
 from jobs.schemas import JobKind, JobSpec, Sharding
 from jobs.settings import get_settings
 from ring_worker.local_group import run_local
@@ -70,10 +71,12 @@ def parse_layout(label: str) -> Layout:
     return Layout(cast(Strategy, strategy), int(size), cast(KVLayout, kv_layout))
 
 
-def predict(model: str, pp: int, layout: Layout, chunk_tokens: int) -> int:
-    shape = read_model_shape(resolve_model(model), dtype="float32")  # CPU ranks: float32
+def predict(model: str, pp: int, layout: Layout, chunk_tokens: int, gpu: bool = False) -> int:
+    """CPU ranks compute in float32 on dense weights; GPU ranks in the model's own dtype."""
+    source = resolve_model(model)
+    shape = read_model_shape(source, dtype=default_dtype(source) if gpu else "float32")
     return estimate_node_bytes(
-        shape, pp, 0, layout, chunk_tokens, dense_weights=True
+        shape, pp, 0, layout, chunk_tokens, dense_weights=not gpu
     ).mlx_peak_bytes
 
 
@@ -94,7 +97,11 @@ def print_table(path: Path) -> int:
             cell["pp"],
             cell["layout"],
             predict(
-                cell["model"], cell["pp"], parse_layout(cell["layout"]), report["chunk_tokens"]
+                cell["model"],
+                cell["pp"],
+                parse_layout(cell["layout"]),
+                report["chunk_tokens"],
+                report.get("gpu", False),
             ),
             cell["measured_bytes"],
         )
@@ -119,17 +126,25 @@ def main() -> int:
     parser.add_argument("--table", type=Path, help="reprint a stored calibration and stop")
     parser.add_argument("--models", default="random:tiny-llama,smollm2")
     parser.add_argument("--pp", default="512,1024,2048,4096")
-    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="default: the device's")
+    parser.add_argument("--layouts", default=None, help="labels to run, e.g. single,ring-2")
+    parser.add_argument("--gpu", action="store_true", help="GPU ranks (model dtype, fused SDPA)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     if args.table:
         return print_table(args.table)
+    args.chunk_tokens = args.chunk_tokens or default_chunk_tokens("cuda" if args.gpu else "cpu")
+    layouts = [
+        layout
+        for layout in LAYOUTS
+        if args.layouts is None or layout.label.split()[0] in args.layouts.split(",")
+    ]
     rows = []
     scratch = Path(tempfile.mkdtemp(prefix="calibrate-"))
     print(HEADER, flush=True)
     for model in args.models.split(","):
         for pp in (int(p) for p in args.pp.split(",")):
-            for layout in LAYOUTS:
+            for layout in layouts:
                 started = time.perf_counter()
                 peaks = measure(model, pp, layout, args.chunk_tokens, scratch)
                 rows.append(
@@ -141,10 +156,14 @@ def main() -> int:
                         "seconds": time.perf_counter() - started,
                     }
                 )
-                predicted = predict(model, pp, layout, args.chunk_tokens)
+                predicted = predict(model, pp, layout, args.chunk_tokens, args.gpu)
                 print_row(model, pp, layout.label, predicted, peaks)
     if args.json_out:
-        config = {"chunk_tokens": args.chunk_tokens, "command": " ".join(sys.argv)}
+        config = {
+            "chunk_tokens": args.chunk_tokens,
+            "gpu": args.gpu,
+            "command": " ".join(sys.argv),
+        }
         args.json_out.write_text(json.dumps({**config, "cells": rows}, indent=1) + "\n")
     return 0
 

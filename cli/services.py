@@ -241,11 +241,18 @@ def demo(model: str | None, ring_size: int, max_tokens: int) -> None:
         out.print(f"\n[bold]{question}[/bold]\n[bold]Answer:[/bold] ", end="")
         print_result(out, result_json(record))
         if record.placement:
+            placement = record.placement
+            devices = f" ({', '.join(placement.devices)})" if placement.devices else ""
             out.print(
-                f"[dim]{record.placement.strategy}-{record.placement.ring_size} on "
-                f"{', '.join(record.placement.nodes)}; "
+                f"[dim]{placement.strategy}-{placement.ring_size} on "
+                f"{', '.join(placement.nodes)}{devices}; "
                 f"total {time.perf_counter() - started:.1f}s[/dim]"
             )
+            if any(n.gpu for n in cluster.nodes) and "cpu" in placement.devices:
+                out.print(
+                    "[dim]its ranks share a GPU, so they computed on CPU (a ring needs a GPU "
+                    "per rank; `ringq demo --ring-size 1` runs on the GPU)[/dim]"
+                )
     if record.error:
         sys.exit(1)
 

@@ -44,11 +44,19 @@ def serve(conn: redis.Redis, settings: Settings) -> None:
     """The dispatcher service: admissions from the admit queue, and the reconciler alongside."""
     global _dispatcher
     _dispatcher = Dispatcher(conn, settings)
+    import_tokenizers()
     reconciler = Reconciler(conn, settings).start()
     try:
         service_worker(admit_queue(conn), conn, "dispatcher").work(logging_level="WARNING")
     finally:
         reconciler.stop()
+
+
+def import_tokenizers() -> None:
+    """Import what tokenising needs before the first job: it took 5 s of the first job's
+    admission on an H200 machine (bench/results/h200-service). Not in a thread: transformers'
+    lazy imports fail when two threads import it at once."""
+    import transformers.tokenization_utils_fast  # noqa: F401
 
 
 class Dispatcher:

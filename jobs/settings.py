@@ -101,6 +101,11 @@ class Settings(BaseSettings):
         description="GPU groups run their kernels once while loading (two chunks, two decode "
         "steps), so the first job does not pay for compilation.",
     )
+    standby_rank: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="A node agent keeps one rank process started ahead (imports done, device "
+        "context made), so a new group starts at once; auto: on GPU and Metal nodes.",
+    )
     parent_pid: int | None = Field(
         default=None, description="Internal: `ringq up` sets it; its services exit with it."
     )

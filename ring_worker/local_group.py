@@ -83,7 +83,12 @@ def run_local(
                 "--events-file",
                 str(events),
             ],
-            rank_environment(blas, threads=threads, local_rank=rank, backend=backend),
+            rank_environment(
+                blas,
+                threads=threads,
+                local_rank=rank,
+                backend="cpu" if plan.devices[rank] == "cpu" else backend,
+            ),
             scratch / f"rank{rank}.log",
         )
         for rank in range(ring_size)

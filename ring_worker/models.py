@@ -91,11 +91,13 @@ def load_for_this_device(
     source: ModelSource,
     prune: Callable[[nn.Module], object] | None = None,
     dtype: str | None = None,
+    cpu: bool | None = None,
 ) -> nn.Module:
     """What a rank computes with: `dtype` where its group's plan names one; else on CPU dense
     float32 (4-bit / bf16 matmul is 10-20x slower there), elsewhere the model's own dtype and
-    quantisation."""
-    cpu = not (mx.metal.is_available() or mx.cuda.is_available())
+    quantisation. `cpu`: the plan's word (default: no GPU here)."""
+    if cpu is None:
+        cpu = not (mx.metal.is_available() or mx.cuda.is_available())
     chosen = getattr(mx, dtype) if dtype else (mx.float32 if cpu else None)
     return load_model(source, dtype=chosen, dequantize=cpu, prune=prune)
 

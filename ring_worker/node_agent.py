@@ -27,6 +27,7 @@ from jobs.submit import node_queue
 from jobs.workers import service_worker
 from ring_worker.devices import cuda_memory_bytes, gpu_name, node_backend, visible_gpus
 from ring_worker.processes import rank_environment, spawn_rank, terminate_all
+from ring_worker.standby import StandbyRank
 
 log = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 0.2
@@ -72,6 +73,12 @@ class NodeAgent:
         self.gpu = gpus[0] if gpus else None  # an agent owns one GPU (`ringq node --gpus`)
         self.share_gpu = share_gpu
         self.host = socket.gethostname()
+        self.standby: StandbyRank | None = None
+        if settings.standby_rank == "on" or (
+            settings.standby_rank == "auto" and self.backend != "cpu"
+        ):
+            env = self.rank_env(self.settings.backend, local_ranks=1, local_rank=0)
+            self.standby = StandbyRank(env, settings.home / "logs" / f"{name}-standby.log")
 
     def info(self) -> NodeInfo:
         """Memory admission may plan with: the GPU's on CUDA nodes, host memory elsewhere."""
@@ -141,19 +148,28 @@ class NodeAgent:
             self.redis_url,
         ]
         local_ranks = sum(1 for n in group.nodes if n == self.name)
-        env = rank_environment(
-            self.settings.blas,
-            threads=max(1, (os.cpu_count() or 1) // local_ranks),
-            local_rank=group.nodes[:rank].count(self.name),
-            backend=self.settings.backend,
-        )
-        if self.memory_limit_bytes:
-            env["RINGQ_RANK_MEMORY_LIMIT_BYTES"] = str(self.memory_limit_bytes)
-        process = spawn_rank(argv, env, log_path)
+        backend = rank_backend(group, rank, self.settings.backend)
+        process = None
+        if self.standby is not None and local_ranks == 1 and backend in ("auto", self.backend):
+            process = self.standby.take(argv, log_path)
+        if process is None:
+            local_rank = group.nodes[:rank].count(self.name)
+            process = spawn_rank(argv, self.rank_env(backend, local_ranks, local_rank), log_path)
         with self.lock:
             self.ranks.append(RankProcess(group, rank, process, log_path))
         log.info("job %s rank %d: started pid %d on %s", group.job_id, rank, process.pid, self.name)
         return True
+
+    def rank_env(self, backend: str, local_ranks: int, local_rank: int) -> dict[str, str]:
+        env = rank_environment(
+            self.settings.blas,
+            threads=max(1, (os.cpu_count() or 1) // local_ranks),
+            local_rank=local_rank,
+            backend=backend,
+        )
+        if self.memory_limit_bytes:
+            env["RINGQ_RANK_MEMORY_LIMIT_BYTES"] = str(self.memory_limit_bytes)
+        return env
 
     def stale(self, group: GroupSpec) -> str | None:
         if self.conn.exists(keys.group_failed(group.group_id)):
@@ -218,6 +234,8 @@ class NodeAgent:
     def run(self) -> None:
         """Serve until SIGINT/SIGTERM; then stop every rank this agent started."""
         self.claim_gpu()
+        if self.standby is not None:
+            self.standby.start()
         threads = [
             threading.Thread(target=f, daemon=True, name=f.__name__)
             for f in (self.heartbeat_forever, self.monitor_forever)
@@ -233,6 +251,8 @@ class NodeAgent:
             self.stopping.set()
             with self.lock:
                 terminate_all([rp.process for rp in self.ranks])
+            if self.standby is not None:
+                self.standby.stop()
             self.store.remove_node(self.name)
             if self.gpu is not None and not self.share_gpu:
                 self.conn.delete(keys.gpu_owner(self.host, self.gpu))
@@ -248,6 +268,12 @@ def start_rank(group: dict, rank: int) -> str:
     spec = GroupSpec.model_validate(group)
     started = _agent.start_rank(spec, rank)
     return f"{'started' if started else 'skipped'} rank {rank} of group {spec.group_id}"
+
+
+def rank_backend(group: GroupSpec, rank: int, node_backend: str) -> str:
+    """What the rank computes on: its plan's device where the plan names one."""
+    planned = group.devices[rank] if rank < len(group.devices) else ""
+    return "cpu" if planned == "cpu" else node_backend
 
 
 def log_tail(path: Path) -> str:

@@ -4,7 +4,9 @@ This is the bridge from a job to the engine. Started fresh (`python -m ring_work
 a node agent or by `ringq run`; never forked from a process that has MLX initialised."""
 
 import argparse
+import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -85,6 +87,7 @@ def run_job(
     if spec.cache_from is not None:
         cache, reused = load_cache(home, spec.cache_from, io.kept_tokens(spec.cache_from), tokens)
     report = kicking(watchdog, throttled(io, lead))
+    mx.reset_peak_memory()  # this job's peak: not the warm-up's, nor an earlier job's
     enter(io, lead, watchdog, JobState.PREFILL, len(tokens) - reused)
     prefill_started_at = time.time()
     prefill = engine.prefill(
@@ -145,7 +148,11 @@ def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
     """Join the group and load the model as its plan says; ranks of a job cancelled meanwhile
     stop together."""
     group, rank = ctx.group, ctx.rank
-    cap_device_memory(ctx.settings.rank_memory_limit_bytes)
+    on_cpu = rank < len(group.devices) and group.devices[rank] == "cpu"
+    if on_cpu:  # the plan puts this rank on CPU, GPU or not (admission.group_plan)
+        mx.set_default_device(mx.cpu)
+    else:
+        cap_device_memory(ctx.settings.rank_memory_limit_bytes)
     mx_group = join_group(group.addresses, rank, ctx.scratch_dir, group.transport)
     stop_if_cancelled(mx_group, io, "before loading the model")
     source = resolve_model(group.model)
@@ -153,7 +160,7 @@ def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
     if group.strategy == "pipeline" and group.ranks > 1:
         prune = partial(keep_stage, rank=rank, size=group.ranks)
     try:
-        model = load_for_this_device(source, prune, group.compute_dtype)
+        model = load_for_this_device(source, prune, group.compute_dtype, cpu=on_cpu or None)
     except (OSError, ValueError, RuntimeError) as exc:  # a new placement would fail the same way
         raise ModelLoadError(f"cannot load model {group.model}: {exc}") from exc
     tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
@@ -168,7 +175,7 @@ def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> None:
     chunks (the first chunk's shapes and one with a past) and two decode steps, on token 0. The
     first job then starts with compiled kernels, graphs and NCCL set up (cold vs warm in
     bench/results/h200-service/). CPU kernels need no warm-up."""
-    if not ctx.settings.warm_up or not (mx.cuda.is_available() or mx.metal.is_available()):
+    if not ctx.settings.warm_up or mx.default_device().type != mx.gpu:
         return
     started = time.perf_counter()
     prefill = engine.prefill([0] * (2 * chunk_tokens), chunk_tokens)
@@ -274,16 +281,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", help="job in Redis (the service)")
     parser.add_argument("--job-file", type=Path, help="job JSON file (`ringq run`)")
     parser.add_argument("--events-file", type=Path, help="where `ringq run` reads events")
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="a node agent's spare rank: import and initialise the device now, then take the "
+        "rank's arguments from stdin",
+    )
+    parser.add_argument("--from-standby", action="store_true", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--standby" in argv:
+        handed = await_handover()
+        return 0 if handed is None else main(handed)
     args = parser.parse_args(argv)
     group = GroupSpec.model_validate_json(args.group.read_text())
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s job={group.job_id} rank={args.rank} %(message)s",
+        force=True,  # a spare rank logged before it knew its job
     )
+    if args.from_standby:
+        log.info("job %s rank %d: a spare rank took it", group.job_id, args.rank)
     settings = Settings()  # read once, at the process edge, and passed down
     exit_with_parent()
     ctx = RankContext(group, args.rank, args.group.parent, settings)
     return run_guarded(ctx, make_io(args, ctx))
+
+
+def await_handover() -> list[str] | None:
+    """A spare rank: the imports (12 s of a cold rank's start on an H200 machine, mostly
+    mlx-lm importing transformers) and the device's initialisation happen before any job needs
+    them. Then one JSON line {argv, log} on stdin makes this the rank; EOF: exit."""
+    exit_with_parent()
+    mx.eval(mx.zeros((1,)))  # creates the device context (CUDA) now
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    log.info("spare rank ready (pid %d)", os.getpid())
+    line = sys.stdin.readline()
+    if not line.strip():
+        return None
+    message = json.loads(line)
+    log_fd = os.open(message["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    return [*map(str, message["argv"]), "--from-standby"]
 
 
 def run_guarded(ctx: RankContext, io: JobIO) -> int:

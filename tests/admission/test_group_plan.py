@@ -23,10 +23,10 @@ RING2 = Layout("ring", 2)
         # a GPU per rank: all-gather over NCCL
         (RING2, [GPU0, GPU1], "allgather", "nccl", "bfloat16", ("cuda:hostA/0", "cuda:hostA/1")),
         (RING2, [GPU0, REMOTE0], "allgather", "nccl", "bfloat16", ("cuda:hostA/0", "cuda:hostB/0")),
-        # two ranks on one GPU: never NCCL
-        (RING2, [GPU0, GPU0_SHARED], "rotate", "ring", "bfloat16", ("cuda:hostA/0",) * 2),
-        # a CPU rank in the group: rotation, float32 everywhere
-        (RING2, [GPU0, CPU], "rotate", "ring", "float32", ("cuda:hostA/0", "cpu")),
+        # two ranks on one GPU: never NCCL; the group computes on CPU (see shares_a_gpu)
+        (RING2, [GPU0, GPU0_SHARED], "rotate", "ring", "float32", ("cpu", "cpu")),
+        # a CPU rank in the group: the same
+        (RING2, [GPU0, CPU], "rotate", "ring", "float32", ("cpu", "cpu")),
         # pipelines need send/recv: MLX's ring backend even on GPUs
         (Layout("pipeline", 2), [GPU0, GPU1], "allgather", "ring", "bfloat16", None),
     ],
@@ -44,6 +44,13 @@ def test_a_forced_exchange_is_kept_and_rotation_never_uses_nccl():
         RING2, [GPU0, GPU1], model_dtype="bfloat16", chunk_tokens=512, exchange="rotate"
     )
     assert (plan.exchange, plan.transport) == ("rotate", "ring")
+
+
+def test_a_group_that_shares_a_gpu_runs_cpu_chunks():
+    plan = plan_group(RING2, [GPU0, GPU0_SHARED], model_dtype="bfloat16", chunk_tokens=16384)
+    assert plan.chunk_tokens == 512 and plan.nodes == ("g0", "g2")
+    alone = plan_group(Layout("single"), [GPU0], model_dtype="bfloat16", chunk_tokens=16384)
+    assert alone.chunk_tokens == 16384
 
 
 def test_the_plan_needs_one_node_per_rank():

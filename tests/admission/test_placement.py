@@ -2,7 +2,7 @@ from dataclasses import replace
 
 import pytest
 
-from admission.estimate import Layout, estimate_node_bytes
+from admission.estimate import Layout, activation_bytes, estimate_node_bytes
 from admission.model_shape import ModelShape
 from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
 
@@ -137,9 +137,9 @@ BIG = ModelShape(
     ("tokens", "live", "label"),
     [
         (100_000, gpus(40, 40), "ring-2 (replicated KV)"),  # 8 + 12.2 GiB KV fit everywhere
-        (100_000, gpus(18, 18), "ring-2 (sharded KV)"),  # the whole KV does not, half does
-        (100_000, gpus(12, 12), "pipeline-2"),  # weights + half the KV: only split by layers
-        (100_000, gpus(7, 7, 7, 7), "pipeline-4"),  # no ring of 4 fits, 1/4 of the layers does
+        (100_000, gpus(30, 30), "ring-2 (sharded KV)"),  # the whole KV does not, half does
+        (100_000, gpus(22, 22), "pipeline-2"),  # weights + half the KV: only split by layers
+        (100_000, gpus(14, 14, 14, 14), "pipeline-4"),  # no ring of 4 fits, 1/4 of the layers does
         (100, gpus(40, 40), "single"),  # short prompt: the fewest nodes
     ],
 )
@@ -150,9 +150,9 @@ def test_layout_follows_memory(tokens, live, label):
 
 def test_cpu_nodes_count_the_attention_scores_they_materialise():
     """MLX's CPU attention holds q_heads x chunk x keys float32 scores; GPU attention is fused."""
-    cpu = estimate_node_bytes(BIG, 100_000, 0, Layout("single"), 2048, dense_weights=True)
-    gpu = estimate_node_bytes(BIG, 100_000, 0, Layout("single"), 2048, dense_weights=False)
-    assert cpu.activation_bytes - gpu.activation_bytes >= 32 * 2048 * 100_000 * 4
+    cpu = activation_bytes(BIG, Layout("single"), 100_000, 2048, cpu=True)
+    gpu = activation_bytes(BIG, Layout("single"), 100_000, 2048, cpu=False)
+    assert cpu - gpu >= 32 * 2048 * 100_000 * 4
 
 
 def test_sharded_kv_is_about_one_nth():

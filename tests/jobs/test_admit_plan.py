@@ -92,9 +92,10 @@ def test_cpu_nodes_run_at_most_node_max_groups():
 
 
 def test_gpu_estimates_are_in_the_models_dtype():
-    """The 8B model's bf16 weights (16 GB) fit a 24 GiB GPU; in float32 (32 GB) they would not."""
-    place = plan_admission(job(8192), Cluster([gpu("g0", 0, memory_gib=24)], {}, []), SETTINGS)
-    assert isinstance(place, Place) and place.bytes_per_node < 24 * GIB
+    """The 8B model at 8K tokens fits a 60 GiB GPU in bf16; in float32 (twice the weights) it
+    would not."""
+    place = plan_admission(job(8192), Cluster([gpu("g0", 0, memory_gib=60)], {}, []), SETTINGS)
+    assert isinstance(place, Place) and place.bytes_per_node < 60 * GIB
 
 
 def test_a_job_that_never_fits_is_rejected_and_one_that_fits_later_waits():

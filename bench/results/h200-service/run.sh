@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The single-H200 runs of bench/results/h200-service/ (each part under 10 minutes):
+#   bash bench/results/h200-service/run.sh service     # ringq up defaults: cold/warm, warm-up off
+#   bash bench/results/h200-service/run.sh demo        # ringq demo on one GPU; rank start profile
+#   bash bench/results/h200-service/run.sh calibrate   # GPU peak probe, admission calibration
+# On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/out}
+mkdir -p "$out" /tmp/logs
+model=random:llama-3.1-8b
+for part in "$@"; do
+  case "$part" in
+    service)
+      nvidia-smi --query-gpu=index,name,memory.total,memory.free --format=csv
+      python3 -m bench.gpu_service --model $model --pp 32700,32700,131000 --warm 2 \
+        --out "$out/service.json" --logs /tmp/logs/default
+      [ "${NO_WARMUP_RUN:-0}" = 1 ] && python3 -m bench.gpu_service --model $model \
+        --pp 32700,131000 --warm 1 --env RINGQ_WARM_UP=0 --out "$out/service-no-warmup.json" \
+        --logs /tmp/logs/no-warmup
+      tar czf "$out/logs-service.tgz" -C /tmp/logs .
+      ;;
+    demo)
+      python3 - > "$out/rank-start.txt" 2>&1 <<'PY'
+import time
+t = time.perf_counter()
+import ring_worker.rank_main  # noqa: F401
+t1 = time.perf_counter()
+import mlx.core as mx
+mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))
+t2 = time.perf_counter()
+print(f"import rank_main {t1 - t:.2f}s, CUDA context and first kernel {t2 - t1:.2f}s")
+PY
+      (cd /tmp && RINGQ_HOME=/tmp/demo-home timeout 240 python3 -m cli.main demo \
+        --model random:tiny-llama --max-tokens 16) > "$out/demo.txt" 2>&1
+      echo "demo exit $?" >> "$out/demo.txt"
+      ;;
+    calibrate)
+      for m in random:llama-3.2-1b $model; do
+        python3 -m bench.gpu_peak_probe --model $m --out "$out/probe-${m#random:}.json"
+      done
+      python3 -m bench.calibrate_admission --gpu --layouts single \
+        --models $model,random:llama-3.2-1b --pp 8192,32768,131072 \
+        --json-out "$out/admission-calibration-h200.json"
+      ;;
+  esac
+done
