@@ -38,6 +38,22 @@ temporary name in the same directory (counted by the estimate) and are renamed. 
 not load (corrupt, truncated, wrong shapes) is logged, deleted and treated as absent: the job
 recomputes.
 
+Placement (jobs/admit_plan.py, from a `PrefixHint` the dispatcher reads per job):
+- a job whose prefix another job is prefilling right now, standing for at least half its prompt
+  beyond what is kept, waits for it (`wait_for_pending`): the wait is at most that prefill, which
+  it would otherwise repeat. So `--prompt Q1 --prompt Q2 ...` and batch lines sharing a document
+  give one prefill; the others then start from its KV (in the warm group's memory, or on disk);
+- a job with a kept prefix prefers the nodes (and idle warm groups) that hold it, among those that
+  can take it now; it never waits for them: if they are busy it runs elsewhere and reshards the
+  files there if it can read them, else recomputes (a wait for busy nodes is unbounded, a
+  recompute is bounded by one prefill);
+- the ring-or-single choice counts only the tokens left to compute (a question on a kept 128K
+  document runs on one node).
+
+Memory tier: a rank holds the previous job's prompt KV (one, in memory, not counted in the
+group's reservation yet); a warm group's next job on the same document starts from it without
+reading a file.
+
 When is a prompt kept: every job's prompt KV, unless it adds less than KEEP_MIN_NEW_FRACTION of
 its prompt beyond the prefix it reused (the eight questions of one document keep the document
 once, not eight times; a conversation that grows by a few turns reuses the older entry and
@@ -56,6 +72,7 @@ from pydantic import BaseModel, ConfigDict, Field
 BLOCK_TOKENS = 256
 KEEP_MIN_NEW_FRACTION = 0.25
 WAIT_MIN_FRACTION = 0.5  # of a prompt an in-flight prefill must stand for, for a job to wait
+PENDING_TTL_S = 3600.0  # an in-flight marker's safety expiry (one of an ended job is ignored)
 
 Layout = Literal["single", "ring", "pipeline"]
 

@@ -4,7 +4,7 @@ block chain. Design: jobs/prefix_cache.py. JSON only."""
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -13,7 +13,15 @@ from pydantic import ValidationError
 
 from jobs import keys
 from jobs.model_catalog import resolve_model
-from jobs.prefix_cache import BLOCK_TOKENS, CacheEntry, block_keys, longest_present
+from jobs.prefix_cache import (
+    BLOCK_TOKENS,
+    PENDING_TTL_S,
+    CacheEntry,
+    PrefixHint,
+    block_keys,
+    choose_entry,
+    longest_present,
+)
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +178,26 @@ class PendingPrefixes:
         ]
         if mine:
             self.conn.delete(*mine)
+
+
+def read_hint(
+    conn: redis.Redis, model: str, tokens: Sequence[int], job_id: str, ended: Callable[[str], bool]
+) -> PrefixHint:
+    """What the dispatcher plans with: the longest kept prefix (where, from which job) and the
+    longest in-flight prefill of the same prefix by another job that has not `ended`."""
+    key = model_key(model)
+    match = PrefixIndex(conn).match(key, tokens)
+    best = choose_entry(match.entries, [])
+    pending = PendingPrefixes(conn, PENDING_TTL_S).longest(key, tokens)
+    if pending is not None and (pending[0] == job_id or ended(pending[0])):
+        pending = None
+    return PrefixHint(
+        kept_tokens=match.tokens if best is not None else 0,
+        kept_nodes=tuple(best.nodes()) if best is not None else (),
+        kept_from=f"job {best.id} ({best.describe()})" if best is not None else None,
+        pending_job=pending[0] if pending else None,
+        pending_tokens=pending[1] * BLOCK_TOKENS if pending else 0,
+    )
 
 
 def _used(entry: CacheEntry, now: float) -> CacheEntry:

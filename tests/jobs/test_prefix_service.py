@@ -36,8 +36,13 @@ def reuse_cluster():
 def test_questions_on_one_document_prefill_it_once(reuse_cluster, cluster, tiny_llama_dir):
     document = LONG_DOCUMENT[:4000]  # ~700 tokens: a single node (under RINGQ_RING_MIN_TOKENS)
     specs = [
-        JobSpec(kind=JobKind.GENERATE, document=document, prompt=q, model=str(tiny_llama_dir),
-                max_tokens=12)  # fmt: skip
+        JobSpec(
+            kind=JobKind.GENERATE,
+            document=document,
+            prompt=q,
+            model=str(tiny_llama_dir),
+            max_tokens=12,
+        )  # fmt: skip
         for q in QUESTIONS
     ]
     store = JobStore(connect(reuse_cluster.url))
