@@ -6,11 +6,11 @@ import pytest
 from pydantic import ValidationError
 
 from jobs.lifecycle import JobState
+from jobs.prefix_index import PrefixIndex
 from jobs.redis_server import connect
 from jobs.schemas import JobKind, JobRecord, JobSpec, Sharding
 from jobs.store import JobStore
 from jobs.submit import submit_job
-from jobs.prefix_index import PrefixIndex
 from tests.helpers import final_record, wait_for
 
 DOCUMENT = "Kept caches let many questions share one long prefill. " * 20
