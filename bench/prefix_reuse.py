@@ -1,9 +1,10 @@
 """One document, many questions: automatic prefix reuse vs RINGQ_PREFIX_CACHE=off, side by side
 in one run, with the answers checked to be identical.
 
-    python -m bench.prefix_reuse                          # engine level: SmolLM2, CPU, demo doc x 8
-    python -m bench.prefix_reuse --service                # the same through a local service
-    python -m bench.prefix_reuse --service --model random:llama-3.1-8b --doc-tokens 131072
+    python -m bench.prefix_reuse                     # engine level: SmolLM2, CPU, demo doc x 8
+    python -m bench.prefix_reuse --service           # the same as jobs through a local service
+    python -m bench.prefix_reuse --service --model random:llama-3.1-8b --doc-tokens 130000 \
+        --cache-bytes 40000000000                    # one H200: a 128K document x 8 questions
 
 Engine level runs the rank's own code path (jobs/prefix_index.py, ring_worker/prefix_reuse.py,
 a real Redis and real files), without the queue. Goal (issue 15): total with reuse <= 1.3 x (one
@@ -21,6 +22,7 @@ from typing import Any
 
 import click
 
+from bench.prefix_service import service_level
 from jobs.model_catalog import load_tokenizer, resolve_model
 from jobs.prefix_index import PrefixIndex, model_key
 from jobs.redis_server import connect, ensure_redis
@@ -89,14 +91,28 @@ def summary(off: list[dict], off_total_s: float, on: list[dict], on_total_s: flo
         "later_prefill_fraction": round(
             max(r["prefill_s"] for r in on[1:]) / on[0]["prefill_s"], 4
         ),
-        "answers_identical": [r["tokens"] for r in on] == [r["tokens"] for r in off],
+        "answers_identical": [answer_of(r) for r in on] == [answer_of(r) for r in off],
     }
+
+
+def answer_of(row: dict) -> object:
+    return row["tokens"] if "tokens" in row else row["text"]
+
+
+def document_of(tokens: int) -> str:
+    """The demo document; with `tokens`, repeated and cut to that many UTF-8 bytes (the random
+    models' tokenizer is byte-level: one token a byte)."""
+    text = (files("cli") / "demo/document.md").read_text()
+    if not tokens:
+        return text
+    data = (text.encode() * (tokens // len(text.encode()) + 1))[:tokens]
+    return data.decode(errors="ignore")
 
 
 def engine_level(model: str, questions: int, max_tokens: int, chunk: int) -> dict:
     source = resolve_model(model)
     tokenizer = load_tokenizer(source)
-    document = (files("cli") / "demo/document.md").read_text()
+    document = document_of(0)
     all_tokens = prompts(tokenizer, document, QUESTIONS[:questions])
     engine = Engine(load_for_this_device(source))
     with tempfile.TemporaryDirectory(prefix="ringq-bench-") as home:
@@ -129,10 +145,35 @@ def with_rank_environment() -> None:
 @click.option("--max-tokens", default=32, show_default=True)
 @click.option("--chunk-tokens", default=512, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None)
-def main(model: str, questions: int, max_tokens: int, chunk_tokens: int, out: Path | None) -> None:
-    with_rank_environment()
-    result = engine_level(model, questions, max_tokens, chunk_tokens)
-    out = out or RESULTS / "prefix-reuse-engine.json"
+@click.option("--service", is_flag=True, help="Jobs through a local cluster, not the engine.")
+@click.option("--nodes", default=1, show_default=True, help="Service: node agents.")
+@click.option("--doc-tokens", default=0, help="Service: a document of this many bytes (0: demo).")
+@click.option("--cache-bytes", default=None, type=int, help="Service: RINGQ_CACHE_BYTES.")
+@click.option("--timeout-s", default=1800.0, show_default=True)
+def main(
+    model: str,
+    questions: int,
+    max_tokens: int,
+    chunk_tokens: int,
+    out: Path | None,
+    service: bool,
+    nodes: int,
+    doc_tokens: int,
+    cache_bytes: int | None,
+    timeout_s: float,
+) -> None:
+    if not service:
+        with_rank_environment()
+        result = engine_level(model, questions, max_tokens, chunk_tokens)
+    else:
+        env = {} if cache_bytes is None else {"RINGQ_CACHE_BYTES": str(cache_bytes)}
+        runs = service_level(model, document_of(doc_tokens), QUESTIONS[:questions], max_tokens,
+                             nodes, timeout_s, env)  # fmt: skip
+        setup = {"mode": "service", "model": model, "questions": questions, "nodes": nodes,
+                 "doc_tokens": doc_tokens, "max_tokens": max_tokens}  # fmt: skip
+        summed = summary(runs["off"], runs["off_total_s"], runs["on"], runs["on_total_s"])
+        result = {**setup, **summed, "off": runs["off"], "on": runs["on"]}
+    out = out or RESULTS / f"prefix-reuse-{result['mode']}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     keys = ("off_total_s", "on_total_s", "speedup", "one_prefill_plus_decodes_s", "on_over_ideal",
             "goal_met", "later_prefill_fraction", "answers_identical")  # fmt: skip

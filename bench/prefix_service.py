@@ -69,7 +69,7 @@ def row(record: JobRecord) -> dict[str, Any]:
 
 
 def service_level(model: str, document: str, questions: list[str], max_tokens: int, nodes: int,
-                  timeout_s: float) -> dict[str, Any]:  # fmt: skip
+                  timeout_s: float, env: dict[str, str]) -> dict[str, Any]:  # fmt: skip
     specs = [
         JobSpec(
             kind=JobKind.GENERATE,
@@ -81,7 +81,7 @@ def service_level(model: str, document: str, questions: list[str], max_tokens: i
         )  # fmt: skip
         for q in questions
     ]
-    off, off_s = run_cluster(specs, {"RINGQ_PREFIX_CACHE": "off"}, nodes, False, timeout_s)
-    on, on_s = run_cluster(specs, {"RINGQ_PREFIX_CACHE": "on"}, nodes, True, timeout_s)
+    off, off_s = run_cluster(specs, {**env, "RINGQ_PREFIX_CACHE": "off"}, nodes, False, timeout_s)
+    on, on_s = run_cluster(specs, {**env, "RINGQ_PREFIX_CACHE": "on"}, nodes, True, timeout_s)
     return {"off": [row(r) for r in off], "on": [row(r) for r in on], "off_total_s": off_s,
             "on_total_s": on_s}  # fmt: skip
