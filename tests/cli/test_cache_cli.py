@@ -5,6 +5,7 @@ import time
 
 from jobs.prefix_cache import CacheEntry, CacheShard
 from jobs.prefix_index import PrefixIndex
+from jobs.store import JobStore
 from tests.cli.test_cli import ringq
 
 TOKENS = list(range(600))
@@ -44,3 +45,19 @@ def test_list_and_drop(redis_conn, redis_url, tmp_path):
 def test_drop_needs_ids_or_all(redis_url):
     result = ringq("cache", "drop", env_extra={"RINGQ_REDIS_URL": redis_url})
     assert result.returncode != 0 and "--all" in result.stderr
+
+
+def test_submit_with_several_prompts_makes_one_job_per_question(redis_conn, redis_url, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("One document, several questions. " * 20)
+    env = {"RINGQ_REDIS_URL": redis_url}
+    result = ringq("submit", "generate", str(doc), "--prompt", "Q1", "--prompt", "Q2",
+                   env_extra=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    ids = result.stdout.split()
+    store = JobStore(redis_conn)
+    assert [store.get(i).spec.prompt for i in ids] == ["Q1", "Q2"]
+    assert len({store.get(i).spec.document for i in ids}) == 1
+    named = ringq("submit", "generate", str(doc), "--prompt", "a", "--prompt", "b", "--id", "x",
+                  env_extra=env)  # fmt: skip
+    assert named.returncode != 0 and "--id names one job" in named.stderr
