@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cli.common import echo_json, redis_connection
+from cli.render import format_eta
 from jobs.batch import (
     BatchCounts,
     batch_counts,
@@ -71,13 +72,61 @@ def submit(file: Path, skip_invalid: bool, model: str | None, max_tokens: int, a
     )
     parsed = parse_batch_file(file, defaults)
     items = require_valid(parsed, skip_invalid)
-    record = submit_batch(redis_connection(), items, parsed.input_name, len(parsed.errors))
+    skipped = [error.skipped() for error in parsed.errors]
+    record = submit_batch(redis_connection(), items, parsed.input_name, skipped=skipped)
     if as_json:
-        echo_json({**record_json(record), "skipped": [skipped_json(e) for e in parsed.errors]})
+        skipped_lines = [skipped_json(e) for e in parsed.errors]
+        echo_json({**record_json(record), "skipped": skipped_lines, "hint": parsed.hint})
         return
     for error in parsed.errors:
         click.echo(f"skipped {error}", err=True)
+    if parsed.hint:
+        click.echo(f"hint: {parsed.hint}", err=True)
     click.echo(record.id)
+
+
+@batch.command("list")
+@click.option(
+    "--limit", type=click.IntRange(1, 10_000), default=50, show_default=True, help="At most N."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def list_(limit: int, as_json: bool):
+    """Batches, newest first, with their request counts by state."""
+    from jobs.listing import list_batches
+
+    conn = redis_connection()
+    rows = []
+    for summary in list_batches(conn, limit):
+        counts = batch_counts(conn, get_batch(conn, summary.id))
+        rows.append({**summary.model_dump(mode="json"), **counts_json(counts)})
+    if as_json:
+        echo_json({"batches": rows})
+    elif not rows:
+        click.echo("no batches")
+    else:
+        Console().print(batches_table(rows))
+
+
+def batches_table(rows: list[dict[str, Any]]):
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("batch", no_wrap=True)
+    for name in ("input", "age", "total", "queued", "running", "completed", "failed"):
+        table.add_column(name)
+    table.add_column("cancelled")
+    table.add_column("skipped")
+    now = time.time()
+    for row in rows:
+        table.add_row(
+            row["id"],
+            row["input_name"],
+            format_eta(now - row["created_at"]),
+            *(str(row[k]) for k in ("total", "queued", "running", "completed", "failed")),
+            str(row["cancelled"]),
+            str(row["skipped_lines"]),
+        )
+    return table
 
 
 @batch.command("status")
@@ -112,7 +161,8 @@ def status(batch_id: str, follow: bool, as_json: bool):
     "errors_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Write error lines of failed and cancelled requests here (default: not written).",
+    help="Write error lines of failed, cancelled and skipped (invalid) requests here (default: "
+    "not written).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def results(batch_id: str, output: Path, errors_path: Path | None, as_json: bool):
@@ -132,7 +182,9 @@ def results(batch_id: str, output: Path, errors_path: Path | None, as_json: bool
         "written": len(found.outputs),
         "errors": str(errors_path) if errors_path else None,
         "errors_written": len(found.errors) if errors_path else 0,
-        "failed": len(found.errors),
+        "failed": found.count("failed") + found.count("expired"),
+        "cancelled": found.count("cancelled"),
+        "skipped": found.count("skipped"),
         "pending": found.pending,
     }
     if as_json:
@@ -141,7 +193,8 @@ def results(batch_id: str, output: Path, errors_path: Path | None, as_json: bool
     click.echo(f"{len(found.outputs)} results written to {output}")
     if found.errors:
         where = f"written to {errors_path}" if errors_path else "not written (use --errors FILE)"
-        click.echo(f"{len(found.errors)} failed or cancelled: {where}")
+        counts = ", ".join(f"{summary[k]} {k}" for k in ("failed", "cancelled", "skipped"))
+        click.echo(f"error lines ({counts}): {where}")
     if found.pending:
         click.echo(f"{found.pending} still queued or running: run this again when they finish")
 

@@ -6,23 +6,26 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import redis
 
 from jobs.errors import InvalidJobError, RedisUnavailableError
 from jobs.files import printable_name, read_at_most
-from jobs.redis_server import SOCKET_NAME, connect, is_alive, redis_data_dir, unix_url
-from jobs.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    import redis
+
+    from jobs.settings import Settings
 
 
-def redis_url_for(settings: Settings) -> str:
+def redis_url_for(settings: "Settings") -> str:
     """RINGQ_REDIS_URL, else the embedded server of RINGQ_HOME if it runs."""
-    if settings.redis_url:
-        return settings.redis_url
-    url = unix_url(redis_data_dir(settings) / SOCKET_NAME)
-    if not is_alive(url):
+    from jobs.client import default_redis_url
+    from jobs.redis_server import is_alive
+
+    url = default_redis_url(settings)
+    if not settings.redis_url and not is_alive(url):
         raise RedisUnavailableError(
             f"no Redis: start ringq with `ringq up` (embedded Redis under {settings.home}) "
             "or set RINGQ_REDIS_URL"
@@ -30,8 +33,18 @@ def redis_url_for(settings: Settings) -> str:
     return url
 
 
-def redis_connection() -> redis.Redis:
-    return connect(redis_url_for(get_settings()))
+def redis_connection() -> "redis.Redis":
+    """A checked connection to ringq's Redis (one PING), or a one-line error."""
+    from jobs.client import connect_client
+
+    return connect_client()
+
+
+def client():
+    """A jobs.client.Client on ringq's Redis."""
+    from jobs.client import Client
+
+    return Client()
 
 
 def expand_files(args: Sequence[str]) -> list[str]:

@@ -61,6 +61,8 @@ def run(
     prompt,
     max_tokens,
     temperature,
+    stop,
+    seed,
     as_json,
     sharding,
     ring_size,
@@ -81,6 +83,8 @@ def run(
         temperature=temperature,
         ring_size=size,
         sharding=sharding,
+        stop=stop,
+        seed=seed,
     )
     tokens, _ = tokenize_and_check(spec)
     job_id = new_job_id()

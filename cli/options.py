@@ -5,14 +5,16 @@ from typing import Literal
 import click
 
 from cli.common import read_document
-from jobs.schemas import JobKind, JobSpec
+from jobs.schemas import DEFAULT_GENERATE_PROMPT, JobKind, JobSpec
 from jobs.settings import get_settings
 
 
 def job_options(func):
     """Options shared by `submit` and `run`."""
     return _job_options(func, click.option(
-        "--prompt", default=None, help="Question or instruction (generate jobs)."
+        "--prompt", default=None,
+        help="Question or instruction (generate jobs). Without it a generate job summarises "
+        f"the document: “{DEFAULT_GENERATE_PROMPT}”",
     ))  # fmt: skip
 
 
@@ -22,7 +24,8 @@ def submit_job_options(func):
         "--prompt", "prompts", multiple=True,
         help="Question or instruction (generate jobs); repeat it for several questions on the "
         "same document: one job each, and the document is prefilled once (the later jobs "
-        "wait for the first one's prefill and start from its kept KV).",
+        "wait for the first one's prefill and start from its kept KV). Without it a generate "
+        f"job summarises the document: “{DEFAULT_GENERATE_PROMPT}”",
     ))  # fmt: skip
 
 
@@ -37,6 +40,15 @@ def _job_options(func, prompt_option):
         ),
         click.option(
             "--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."
+        ),
+        click.option(
+            "--stop",
+            multiple=True,
+            metavar="TEXT",
+            help="Generation ends where TEXT appears (not included); up to 4, repeat the option.",
+        ),
+        click.option(
+            "--seed", type=click.IntRange(0), default=None, help="Sampling seed (temperature > 0)."
         ),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
     ]
@@ -57,6 +69,8 @@ def build_spec(
     sharding="auto",
     keep_cache=False,
     cache_from=None,
+    stop=(),
+    seed=None,
 ) -> JobSpec:
     settings = get_settings()
     text, name = read_document(file, settings.max_document_bytes)
@@ -72,6 +86,8 @@ def build_spec(
         sharding=sharding,
         keep_cache=keep_cache,
         cache_from=cache_from,
+        stop=list(stop),
+        seed=seed,
     )
 
 

@@ -1,17 +1,20 @@
-"""How jobs look in a terminal and in --json output."""
+"""How jobs look in a terminal and in --json output. rich is imported by the functions that draw
+(plain `ringq status` prints text without it)."""
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn
-from rich.table import Table
-
-from jobs.overview import eta_s
-from jobs.schemas import JobRecord, NodeInfo, Placement
+from jobs.lifecycle import JobState
+from jobs.listing import JobSummary, eta_s
+from jobs.schemas import DEFAULT_GENERATE_PROMPT, JobKind, JobRecord, NodeInfo, Placement
 from jobs.schemas import Progress as JobProgress
-from jobs.store import JobStore
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from jobs.store import JobStore
 
 WATCH_INTERVAL_S = 0.25
 
@@ -27,13 +30,17 @@ def status_json(record: JobRecord) -> dict[str, Any]:
             "processed": record.progress.processed,
             "total": record.progress.total,
             "prompt_tps": record.progress.prompt_tps,
+            "generation_tps": record.progress.generation_tps,
+            "eta_s": eta_s(record.progress) if not record.state.is_final else None,
         },
         "placement": {
             "strategy": placement.strategy if placement else None,
             "ring_size": placement.ring_size if placement else None,
             "nodes": placement.nodes if placement else [],
             "warm": placement.warm if placement else False,
+            "reason": placement.reason if placement else None,
         },
+        "prompt": prompt_shown(record),
         "model": record.spec.model,
         "cached_tokens": record.result.cached_tokens if record.result else 0,
         "cache_source": record.result.cache_source if record.result else None,
@@ -47,6 +54,11 @@ def status_json(record: JobRecord) -> dict[str, Any]:
     }
 
 
+def prompt_shown(record: JobRecord) -> str | None:
+    """The instruction a generate job ran with (the default one when none was given)."""
+    return record.spec.prompt_text() if record.kind == JobKind.GENERATE else None
+
+
 def result_json(record: JobRecord) -> dict[str, Any]:
     result = record.result
     fields = result.model_dump(mode="json") if result else {}
@@ -55,27 +67,42 @@ def result_json(record: JobRecord) -> dict[str, Any]:
         "state": record.state.value,
         "error": record.error,
         "text": None,
+        "prompt": prompt_shown(record),
+        "default_prompt": record.kind == JobKind.GENERATE and record.spec.prompt is None,
         **fields,
     }
 
 
-def print_result(console: Console, payload: dict[str, Any]) -> None:
+def print_result(console: "Console", payload: dict[str, Any]) -> None:
+    if payload.get("default_prompt"):
+        console.print(f"[dim]no --prompt given: asked “{DEFAULT_GENERATE_PROMPT}”[/dim]")
     if payload.get("text"):
         console.print(payload["text"].strip(), markup=False, highlight=False)
         console.print()
     if payload.get("error"):
         state = payload["state"]  # failed or cancelled
-        console.print(f"[red]{state}:[/red] {payload['error']}", highlight=False)
+        partial = " (the text above is what it generated before)" if payload.get("text") else ""
+        console.print(f"[red]{state}:[/red] {payload['error']}{partial}", highlight=False)
         return
     if payload.get("prompt_tokens") is None:
-        console.print(f"state: {payload['state']} (no result yet)")
+        console.print(f"state: {payload['state']} (no result yet; --wait waits for it)")
         return
+    console.print(f"[dim]{stats_line(payload)}[/dim]", highlight=False)
+
+
+def stats_line(payload: dict[str, Any]) -> str:
+    """prompt tokens (and how many came from a kept cache), speeds, times, peak memory."""
     peaks = ", ".join(f"{p / 1024**2:.0f} MiB" for p in payload["peak_memory_bytes"])
-    console.print(
-        f"[dim]prompt {payload['prompt_tokens']} tok at {payload['prompt_tps']:.1f} tok/s · "
+    cached = payload.get("cached_tokens") or 0
+    computed = payload["prompt_tokens"] - cached
+    prompt = f"prompt {payload['prompt_tokens']} tok"
+    if cached:
+        prompt += f" ({cached} from the kept cache, {computed} computed)"
+    return (
+        f"{prompt} at {payload['prompt_tps']:.1f} tok/s · "
         f"generated {payload['generated_tokens']} tok at {payload['generation_tps']:.1f} tok/s · "
         f"load {payload['load_s']:.1f}s prefill {payload['prefill_s']:.1f}s "
-        f"decode {payload['decode_s']:.1f}s · peak memory per rank: {peaks}[/dim]"
+        f"decode {payload['decode_s']:.1f}s · peak memory per rank: {peaks}"
     )
 
 
@@ -84,6 +111,17 @@ def describe(record: JobRecord) -> str:
     line = f"{record.id}  {record.kind.value}  {record.state.value}  {where}"
     if record.placement is not None and record.placement.warm:
         line += " (warm group)"
+    progress = record.progress
+    if not record.state.is_final and progress.total:
+        line += f"\n  {progress.phase.value}: {progress.processed}/{progress.total} tok"
+        rate = progress.generation_tps or progress.prompt_tps
+        line += f" at {rate:.1f} tok/s, ETA {format_eta(eta_s(progress))}" if rate else ""
+    if record.placement is not None and record.placement.reason:
+        line += f"\n  placement: {record.placement.reason}"
+    if record.waiting_reason and record.state == JobState.QUEUED:
+        line += f"\n  waiting: {record.waiting_reason}"
+    if record.kind == JobKind.GENERATE and record.spec.prompt is None:
+        line += f"\n  prompt: none given, so the default: “{DEFAULT_GENERATE_PROMPT}”"
     if record.result is not None and record.result.cached_tokens:
         source = record.result.cache_source or "a kept KV cache"
         line += f"\n  prefix: {record.result.cached_tokens} prompt tokens from {source}"
@@ -109,7 +147,7 @@ def format_eta(seconds: float | None) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def watch(store: JobStore, job_id: str, console: Console) -> JobRecord:
+def watch(store: "JobStore", job_id: str, console: "Console") -> JobRecord:
     """Live view of a job in Redis until it reaches a final state."""
     latest: list[JobRecord] = []
 
@@ -121,10 +159,13 @@ def watch(store: JobStore, job_id: str, console: Console) -> JobRecord:
     return latest[0]
 
 
-def live_progress(poll: Callable[[], tuple[JobProgress, bool]], console: Console) -> None:
+def live_progress(poll: Callable[[], tuple[JobProgress, bool]], console: "Console") -> None:
     """A bar (phase, tokens done/total, tok/s, ETA) refreshed until poll() says done. The ETA is
-    the job's own remaining tokens / reported tok/s, not rich's guess from bar updates, which
-    would count the time spent loading as slow progress."""
+    the job's own remaining tokens / reported tok/s (prefill's prompt tokens; decode's up to
+    max_tokens), not rich's guess from bar updates, which would count the time spent loading
+    as slow progress."""
+    from rich.progress import BarColumn, Progress, TextColumn
+
     columns = (
         TextColumn("{task.description:<9}"),
         BarColumn(),
@@ -136,7 +177,8 @@ def live_progress(poll: Callable[[], tuple[JobProgress, bool]], console: Console
         task = bar.add_task("queued", total=1, rate="", eta="")
         while True:
             progress, done = poll()
-            rate = f"{progress.prompt_tps:.0f} tok/s" if progress.prompt_tps else ""
+            speed = progress.generation_tps or progress.prompt_tps
+            rate = f"{speed:.0f} tok/s" if speed else ""
             left = eta_s(progress)
             bar.update(
                 task,
@@ -151,19 +193,49 @@ def live_progress(poll: Callable[[], tuple[JobProgress, bool]], console: Console
             time.sleep(WATCH_INTERVAL_S)
 
 
-def nodes_table(nodes: list[NodeInfo], reserved_bytes: dict[str, int]) -> Table:
-    """`memory`: the node's budget; `reserved`: what running groups hold of it; `free (OS)`:
-    what the operating system (or the GPU) reports free right now."""
-    table = Table("node", "backend", "address", "memory", "reserved", "free (OS)", "heartbeat")
+def nodes_table(nodes: list[NodeInfo], reserved_bytes: dict[str, int]) -> "Table":
+    """`device`: what its ranks compute on; `memory`: the node's budget; `reserved`: what
+    running groups hold of it; `free (OS)`: what the operating system (or the GPU) reports free
+    right now."""
+    from rich.table import Table
+
+    table = Table("node", "device", "address", "memory", "reserved", "free (OS)", "heartbeat")
     now = time.time()
     for n in nodes:
         table.add_row(
             n.name,
-            n.backend,
+            n.device if n.device != "cpu" else n.backend,  # agents before `device` say only this
             n.address,
             f"{n.memory_bytes / 1024**3:.1f} GiB",
             f"{reserved_bytes.get(n.name, 0) / 1024**3:.2f} GiB",
             f"{n.available_bytes / 1024**3:.1f} GiB",
             f"{now - n.heartbeat_at:.1f}s ago",
+        )
+    return table
+
+
+def jobs_table(jobs: "list[JobSummary]", now: float | None = None) -> "Table":
+    """A job list: progress for live jobs, the waiting reason of queued ones, the error of
+    failed ones."""
+    from rich.table import Table
+
+    now = time.time() if now is None else now
+    table = Table()
+    table.add_column("job", no_wrap=True)
+    for name in ("kind", "state", "tokens", "model", "document", "age", "note"):
+        table.add_column(name)
+    for job in jobs:
+        progress = job.progress
+        tokens = f"{progress.processed}/{progress.total}" if progress.total else "-"
+        note = job.waiting_reason if job.state == JobState.QUEUED else job.error
+        table.add_row(
+            job.id,
+            job.kind.value,
+            job.state.value,
+            tokens,
+            job.model or "-",
+            job.document_name or "-",
+            format_eta(now - job.created_at),
+            note or "",
         )
     return table

@@ -27,8 +27,8 @@ from jobs.overview import Overview, QueueRow, RunningJob, take_overview
     help="Seconds between refreshes.",
 )
 def top(once: bool, as_json: bool, interval_s: float) -> None:
-    """Live view of the service: RQ queues, live nodes, running jobs, idle warm groups (Ctrl-C
-    quits)."""
+    """Live view of the service: RQ queues of the admit queue and live nodes, live nodes,
+    running jobs, queued jobs with why they wait, idle warm groups (Ctrl-C quits)."""
     conn = redis_connection()
     if as_json:
         echo_json(take_overview(conn).model_dump(mode="json"))
@@ -71,8 +71,26 @@ def render_overview(overview: Overview) -> Group:
         queues_table(overview.queues),
         nodes,
         running,
+        queued_table(overview),
         idle,
     )
+
+
+def queued_table(overview: Overview) -> Table:
+    """The jobs placed next, oldest first, and why each waits (none yet: not admitted so far)."""
+    table = Table("job", "kind", "model", "waiting", "reason")
+    shown = len(overview.queued)
+    more = f" (the {shown} oldest shown)" if overview.queued_total > shown else ""
+    table.title = f"queued jobs: {overview.queued_total}{more}"
+    for job in overview.queued:
+        table.add_row(
+            job.id,
+            job.kind.value,
+            job.model or "-",
+            format_eta(overview.taken_at - job.created_at),
+            job.waiting_reason or "not admitted yet",
+        )
+    return table
 
 
 def queues_table(queues: list[QueueRow]) -> Table:
@@ -92,7 +110,7 @@ def jobs_table(jobs: list[RunningJob]) -> Table:
             job.state.value,
             progress.phase.value,
             f"{progress.processed}/{progress.total}",
-            f"{progress.prompt_tps:.0f}" if progress.prompt_tps else "-",
+            f"{speed:.0f}" if (speed := progress.generation_tps or progress.prompt_tps) else "-",
             format_eta(job.eta_s),
             placement_text(job.placement),
         )

@@ -24,7 +24,14 @@ from jobs.batch_input import BatchItem
 from jobs.cancel import cancel_many
 from jobs.errors import InvalidJobError, JobNotFoundError
 from jobs.lifecycle import JobState
-from jobs.schemas import BatchEntry, BatchRecord, JobKind, JobResult, check_job_id
+from jobs.schemas import (
+    BatchEntry,
+    BatchRecord,
+    JobKind,
+    JobResult,
+    SkippedLine,
+    check_job_id,
+)
 from jobs.store import JobStore
 from jobs.submit import enqueue_jobs
 
@@ -53,8 +60,12 @@ class BatchCounts:
 @dataclass(frozen=True)
 class BatchResults:
     outputs: list[dict[str, Any]]  # OpenAI output lines of finished requests, input order
-    errors: list[dict[str, Any]]  # error lines of failed, cancelled or expired requests
+    errors: list[dict[str, Any]]  # error lines: failed, cancelled, expired, then skipped lines
     pending: int  # requests not final yet: no line for them now
+
+    def count(self, code: str) -> int:
+        """Error lines of one kind: failed, cancelled, expired or skipped."""
+        return sum(1 for line in self.errors if line["error"]["code"] == code)
 
 
 @dataclass(frozen=True)
@@ -74,8 +85,10 @@ def submit_batch(
     input_name: str,
     skipped_lines: int = 0,
     batch_id: str | None = None,
+    skipped: Sequence[SkippedLine] = (),
 ) -> BatchRecord:
-    """Record the batch (claiming its id), then enqueue its jobs with a few pipelines."""
+    """Record the batch (claiming its id), then enqueue its jobs with a few pipelines.
+    `skipped`: the invalid lines left out, kept for the errors file."""
     batch_id = _checked_id(batch_id or new_batch_id())
     if not items:
         raise InvalidJobError(f"{input_name}: no requests to enqueue")
@@ -85,7 +98,8 @@ def submit_batch(
         created_at=time.time(),
         input_name=input_name,
         entries=entries,
-        skipped_lines=skipped_lines,
+        skipped_lines=max(skipped_lines, len(skipped)),
+        skipped=list(skipped),
     )
     ttl_s = JobStore(conn).job_ttl_s
     if not conn.set(keys.batch(batch_id), record.model_dump_json(), nx=True, ex=ttl_s):
@@ -148,6 +162,7 @@ def batch_results(conn: redis.Redis, batch_id: str) -> BatchResults:
             errors.append(error_line(entry, state, error or state))
         else:
             pending += 1
+    errors += [skipped_line(line) for line in record.skipped]
     return BatchResults(outputs, errors, pending)
 
 
@@ -191,6 +206,16 @@ def error_line(entry: BatchEntry, code: str, message: str) -> dict[str, Any]:
     """One OpenAI Batch error line; `code` is the job's final state (failed, cancelled) or
     expired."""
     return {**_line_head(entry), "response": None, "error": {"code": code, "message": message}}
+
+
+def skipped_line(line: SkippedLine) -> dict[str, Any]:
+    """The error line of an input line left out as invalid (--skip-invalid)."""
+    return {
+        "id": f"batch_req_line_{line.line_number}",
+        "custom_id": line.custom_id,
+        "response": None,
+        "error": {"code": "skipped", "message": f"line {line.line_number}: {line.message}"},
+    }
 
 
 def _line_head(entry: BatchEntry) -> dict[str, Any]:

@@ -8,10 +8,13 @@ Two line forms, told apart by the presence of `url`, `method` or `body`:
   message must be the user's and becomes the job's prompt (the question); every message before it
   (system, developer, user), in order and joined by blank lines, becomes the document. A request
   of a single user message is all document and has an empty prompt (no instruction is added).
-  Other body fields (top_p, n, ...) are ignored; assistant and tool messages are refused.
+  `stop` and `seed` are honoured; `n` other than 1 and `top_p` other than 1 are refused (one
+  completion, temperature sampling); other body fields are ignored; assistant and tool messages
+  are refused.
 - Plain: `{"custom_id", "document" | "document_path", "prompt"?, "kind"? ("prefill" | "generate",
-  default generate), "max_tokens"?, "temperature"?, "model"?}`; `document_path` is relative to
-  the JSONL file's directory, a regular file, and inside RINGQ_ALLOWED_DIRS when that is set.
+  default generate), "max_tokens"?, "temperature"?, "model"?, "stop"?, "seed"?}`;
+  `document_path` is relative to the JSONL file's directory, a regular file, and inside
+  RINGQ_ALLOWED_DIRS when that is set.
 
 A line's own `model` is used unless the caller overrides every line's model (OpenAI files name
 models like "gpt-4o-mini" that ringq cannot run). Nothing is tokenised here: the dispatcher does
@@ -19,94 +22,23 @@ that when it admits each job.
 """
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
     ValidationError,
-    field_validator,
-    model_validator,
 )
 
-from jobs.errors import BatchInputError, RingqError
+from jobs.batch_lines import CHAT_COMPLETIONS_URL as CHAT_COMPLETIONS_URL  # re-exported
+from jobs.batch_lines import OpenAILine, PlainLine
+from jobs.errors import BatchInputError, RingqError, UnknownModelError
 from jobs.files import allowed_path, printable_name, read_at_most
-from jobs.model_catalog import resolve_model
-from jobs.schemas import JobKind, JobSpec
+from jobs.model_info import check_spec
+from jobs.schemas import JobKind, JobSpec, SkippedLine
 
-CHAT_COMPLETIONS_URL = "/v1/chat/completions"
 LISTED_ERRORS = 20  # an error message names this many bad lines, then counts the rest
-CustomId = Annotated[str, Field(min_length=1, max_length=256)]
-
-
-class _Strict(BaseModel):
-    """Types as written in the JSON: "5" is not a number, unknown fields are typos."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True)
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True)  # "name" and the like are ignored
-    role: str
-    content: str | list[TextPart]
-
-    @field_validator("role")
-    @classmethod
-    def _one_user_turn(cls, role: str) -> str:
-        if role not in ("system", "developer", "user"):
-            raise ValueError(
-                f"role {role!r} is not supported: ringq runs one user turn "
-                "(system, developer and user messages only)"
-            )
-        return role
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatBody(BaseModel):
-    model_config = ConfigDict(strict=True)  # other OpenAI parameters are ignored
-    model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-
-
-class OpenAILine(_Strict):
-    custom_id: CustomId
-    method: Literal["POST"]
-    url: Literal["/v1/chat/completions"]
-    body: ChatBody
-
-
-class PlainLine(_Strict):
-    custom_id: CustomId
-    document: str | None = None
-    document_path: str | None = None
-    prompt: str | None = None
-    kind: Literal["prefill", "generate"] = "generate"
-    max_tokens: int | None = None
-    temperature: float | None = None
-    model: str | None = None
-
-    @model_validator(mode="after")
-    def _one_document(self) -> "PlainLine":
-        if (self.document is None) == (self.document_path is None):
-            raise ValueError("give exactly one of 'document' and 'document_path'")
-        return self
 
 
 @dataclass(frozen=True)
@@ -120,9 +52,23 @@ class BatchItem:
 class LineError:
     line_number: int
     message: str
+    custom_id: str | None = None  # when the line names one
+
+    def skipped(self) -> SkippedLine:
+        """As kept on the batch (JSON): text that is not valid Unicode is escaped."""
+        return SkippedLine(
+            line_number=self.line_number,
+            custom_id=_escaped(self.custom_id) if self.custom_id is not None else None,
+            message=_escaped(self.message),
+        )
 
     def __str__(self) -> str:
         return f"line {self.line_number}: {self.message}"
+
+
+def _escaped(text: str) -> str:
+    """Lone surrogates (bytes that were not UTF-8) as backslash escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -142,6 +88,7 @@ class ParsedBatch:
     input_name: str
     items: list[BatchItem]
     errors: list[LineError]
+    hint: str | None = None  # said once for all lines (lines naming models that do not run here)
 
 
 def parse_batch_file(path: Path, defaults: Defaults) -> ParsedBatch:
@@ -165,21 +112,38 @@ def parse_batch_lines(
     items: list[BatchItem] = []
     errors: list[LineError] = []
     first_line: dict[str, int] = {}
-    check_model = _model_checker()
+    check = _spec_checker()
     for number, line in _numbered(lines):
         try:
             item = _parse_line(number, line, base_dir, defaults)
-            check_model(item.spec.model)
+            check(item.spec)
         except (ValueError, RingqError) as exc:
-            errors.append(LineError(number, _one_line(exc)))
+            errors.append(LineError(number, _one_line(exc), _custom_id_of(line)))
             continue
         if item.custom_id in first_line:
             first = first_line[item.custom_id]
-            errors.append(LineError(number, f"custom_id {item.custom_id!r} repeats line {first}"))
+            message = f"custom_id {item.custom_id!r} repeats line {first}"
+            errors.append(LineError(number, message, item.custom_id))
             continue
         first_line[item.custom_id] = number
         items.append(item)
-    return ParsedBatch(input_name, items, errors)
+    return ParsedBatch(input_name, items, errors, model_hint(check.bad_models, defaults))
+
+
+def model_hint(bad_models: dict[str, str], defaults: Defaults) -> str | None:
+    """One hint for every line naming a model that does not run here (an OpenAI file's
+    "gpt-4o-mini"): what is wrong with the first, and that --model overrides the lines'."""
+    if not bad_models:
+        return None
+    first, reason = next(iter(bad_models.items()))
+    names = ", ".join(repr(m) for m in bad_models)
+    if defaults.model is not None:  # --model given: the lines' models were not used
+        return reason
+    return (
+        f"lines name models that do not run here ({names}): {reason}; "
+        f"`ringq batch submit --model {defaults.default_model}` runs every line on one model, "
+        "overriding the lines' models"
+    )
 
 
 def require_valid(parsed: ParsedBatch, skip_invalid: bool) -> list[BatchItem]:
@@ -200,9 +164,10 @@ def describe_errors(parsed: ParsedBatch) -> str:
     listed = "; ".join(str(error) for error in errors[:LISTED_ERRORS])
     more = f"; and {len(errors) - LISTED_ERRORS} more" if len(errors) > LISTED_ERRORS else ""
     hint = " (--skip-invalid enqueues the good ones)" if parsed.items else ""
+    model_hint = f". Hint: {parsed.hint}" if parsed.hint else ""
     return (
         f"{parsed.input_name}: {len(errors)} invalid line(s), nothing enqueued{hint}: "
-        f"{listed}{more}"
+        f"{listed}{more}{model_hint}"
     )
 
 
@@ -245,6 +210,8 @@ def _openai_item(number: int, line: OpenAILine, defaults: Defaults) -> BatchItem
         max_tokens=first_given(body.max_completion_tokens, body.max_tokens),
         temperature=body.temperature,
         custom_id=line.custom_id,
+        stop=body.stop_list(),
+        seed=body.seed,
     )
     return BatchItem(number, line.custom_id, spec)
 
@@ -264,6 +231,8 @@ def _plain_item(number: int, line: PlainLine, base_dir: Path, defaults: Defaults
         max_tokens=line.max_tokens,
         temperature=line.temperature,
         custom_id=line.custom_id,
+        stop=line.stop,
+        seed=line.seed,
     )
     return BatchItem(number, line.custom_id, spec)
 
@@ -319,22 +288,34 @@ def _read_document(path: Path, defaults: Defaults) -> tuple[str, str]:
         raise ValueError(f"document_path {path}: not UTF-8 text (byte {exc.start})") from None
 
 
-def _model_checker() -> Callable[[str], None]:
-    """resolve_model once per distinct name (a GGUF read takes seconds), remembering failures
-    so every line naming a bad model reports it."""
-    outcomes: dict[str, str | None] = {}
+class _SpecChecker:
+    """check_spec for each line; a model is looked up once, and every line naming a model that
+    does not run gets a short error (the reason is said once, in the batch's hint)."""
 
-    def check(model: str) -> None:
-        if model not in outcomes:
-            try:
-                resolve_model(model)
-                outcomes[model] = None
-            except RingqError as exc:
-                outcomes[model] = str(exc)
-        if outcomes[model] is not None:
-            raise ValueError(outcomes[model])
+    def __init__(self) -> None:
+        self.bad_models: dict[str, str] = {}
 
-    return check
+    def __call__(self, spec: JobSpec) -> None:
+        if spec.model in self.bad_models:
+            raise ValueError(f"model {spec.model!r} does not run here (see the hint)")
+        try:
+            check_spec(spec)
+        except UnknownModelError as exc:
+            self.bad_models[spec.model] = _one_line(exc)
+            raise ValueError(f"model {spec.model!r} does not run here (see the hint)") from None
+
+
+def _spec_checker() -> _SpecChecker:
+    return _SpecChecker()
+
+
+def _custom_id_of(line: str) -> str | None:
+    try:
+        raw = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    value = raw.get("custom_id") if isinstance(raw, dict) else None
+    return value if isinstance(value, str) and 0 < len(value) <= 256 else None
 
 
 def _validation_text(exc: ValidationError) -> str:

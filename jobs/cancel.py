@@ -4,23 +4,28 @@ flag in Redis that its ranks poll, and they stop together at the next chunk or d
 import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import redis
 
 from jobs import keys
 from jobs.errors import IllegalTransitionError, JobNotFoundError
 from jobs.lifecycle import JobState
-from jobs.schemas import JobRecord
+from jobs.schemas import JobRecord, JobResult
 from jobs.store import JobStore
 
 NOT_STARTED = frozenset({JobState.QUEUED, JobState.ADMITTED})
 NOT_STARTED_REASON = "cancelled before it started"
+_NOT_STARTED_ORDER = (JobState.QUEUED, JobState.ADMITTED)  # as _CANCEL_MANY takes their indexes
 
-# KEYS: n job hashes, then their n cancel flags. ARGV: now, flag ttl, reason (JSON). What
-# cancel_job does, for many jobs in one round trip: the flag, and a not-started job cancelled.
+# KEYS: n job hashes, then their n cancel flags, then the queued, admitted and cancelled state
+# indexes. ARGV: now, flag ttl, reason (JSON). What cancel_job does, for many jobs in one round
+# trip: the flag, and a not-started job cancelled (moved between state indexes like a transition).
 _CANCEL_MANY = """
 local now, ttl, reason = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local n = #KEYS / 2
+local n = (#KEYS - 3) / 2
+local queued_index, admitted_index = KEYS[2 * n + 1], KEYS[2 * n + 2]
+local cancelled_index = KEYS[2 * n + 3]
 local cancelled, stopping, final = 0, 0, 0
 for i = 1, n do
   local job, flag = KEYS[i], KEYS[n + i]
@@ -35,6 +40,9 @@ for i = 1, n do
       progress['updated_at'] = tonumber(now)
       redis.call('HSET', job, 'state', '"cancelled"', 'error', reason, 'updated_at', now,
                  'progress', cjson.encode(progress))
+      local id = ARGV[3 + i]
+      redis.call('ZREM', state == '"queued"' and queued_index or admitted_index, id)
+      redis.call('ZADD', cancelled_index, tonumber(redis.call('HGET', job, 'created_at')), id)
       cancelled = cancelled + 1
     else
       stopping = stopping + 1
@@ -67,14 +75,18 @@ def cancel_requested(conn: redis.Redis, job_id: str) -> bool:
     return bool(conn.exists(keys.job_cancel(job_id)))
 
 
-def mark_cancelled(store: JobStore, job_id: str, reason: str) -> bool:
-    """Move a job to `cancelled` unless it is already final. Returns whether this call did."""
+def mark_cancelled(
+    store: JobStore, job_id: str, reason: str, partial: JobResult | None = None
+) -> bool:
+    """Move a job to `cancelled` unless it is already final, keeping what it had generated
+    (`partial`) as its result. Returns whether this call did."""
     try:
         record = store.get(job_id)
         progress = record.progress.model_copy(
             update={"phase": JobState.CANCELLED, "updated_at": time.time()}
         )
-        store.transition(job_id, JobState.CANCELLED, error=reason, progress=progress)
+        fields: dict[str, Any] = {} if partial is None else {"result": partial}
+        store.transition(job_id, JobState.CANCELLED, error=reason, progress=progress, **fields)
         return True
     except (IllegalTransitionError, JobNotFoundError):
         return False
@@ -90,7 +102,8 @@ def cancel_many(
     for start in range(0, len(job_ids), chunk_jobs):
         chunk = job_ids[start : start + chunk_jobs]
         job_keys = [keys.job(j) for j in chunk] + [keys.job_cancel(j) for j in chunk]
-        args: list[str | int] = [str(time.time()), ttl_s, json.dumps(NOT_STARTED_REASON)]
+        job_keys += [keys.jobs_in_state(s) for s in (*_NOT_STARTED_ORDER, JobState.CANCELLED)]
+        args: list[str | int] = [str(time.time()), ttl_s, json.dumps(NOT_STARTED_REASON), *chunk]
         counts = script(keys=job_keys, args=args)
         totals = [t + int(c) for t, c in zip(totals, counts, strict=True)]
     return totals[0], totals[1], totals[2]

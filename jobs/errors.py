@@ -51,3 +51,19 @@ class StaleGroupError(RingqError):
 
 class ModelLoadError(RingqError):
     """A rank could not load the job's model (missing or truncated weights...)."""
+
+
+class JobFailedError(RingqError):
+    """A job asked for its result ended failed or cancelled; `record` is its JobRecord."""
+
+    def __init__(self, message: str, record: object):
+        super().__init__(message)
+        self.record = record
+
+
+class JobNotFinishedError(RingqError):
+    """A job asked for its result is still queued or running; `record` is its JobRecord."""
+
+    def __init__(self, message: str, record: object):
+        super().__init__(message)
+        self.record = record

@@ -6,10 +6,15 @@ ADMIT_QUEUE = f"{PREFIX}:admit"  # RQ queue the dispatcher works on
 JOBS_INDEX = f"{PREFIX}:jobs"  # sorted set: job id -> created_at
 NODES_INDEX = f"{PREFIX}:nodes"  # set of node names ever registered
 BATCHES_INDEX = f"{PREFIX}:batches"  # sorted set: batch id -> created_at
+STATE_INDEXES_READY = f"{PREFIX}:jobs:by-state:ready"  # set once jobs from before are indexed
 
 
 def job(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"  # hash: spec, state, progress, placement, result, error, ...
+
+
+def jobs_in_state(state: str) -> str:
+    return f"{PREFIX}:jobs:by-state:{state}"  # sorted set: job id -> created_at, kept with state
 
 
 def job_tokens(job_id: str) -> str:
@@ -58,6 +63,27 @@ WARM_GROUPS = f"{PREFIX}:warm"  # hash: group id -> JSON {group, bytes_per_node}
 
 def gpu_owner(host: str, gpu: str) -> str:
     return f"{PREFIX}:gpu:{host}:{gpu}"  # the node agent that owns this GPU (expires with it)
+
+
+# `ringq serve`'s OpenAI-compatible Files and Batches (cli/http/).
+FILES_INDEX = f"{PREFIX}:files"  # sorted set: file id -> created_at
+OPENAI_BATCHES_INDEX = f"{PREFIX}:openai-batches"  # sorted set: batch id -> created_at
+
+
+def file_meta(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}"  # JSON: id, filename, purpose, bytes, created_at
+
+
+def file_content(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}:content"  # the file's bytes, as uploaded or written
+
+
+def openai_batch(batch_id: str) -> str:
+    return f"{PREFIX}:openai-batch:{batch_id}"  # JSON: what OpenAI's batch object adds to ours
+
+
+def openai_batch_finalizing(batch_id: str) -> str:
+    return f"{PREFIX}:openai-batch:{batch_id}:finalizing"  # set while its files are written
 
 
 # Automatic prefix reuse (jobs/prefix_cache.py, jobs/prefix_index.py)

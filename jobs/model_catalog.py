@@ -131,6 +131,28 @@ def _find_packaged_file(name: str) -> Path:
     )
 
 
+def packaged_file(name: str) -> Path:
+    """Where a built-in model's file lies (UnknownModelError when its package is missing)."""
+    return _find_packaged_file(name)
+
+
+def max_token_bytes(source: ModelSource) -> int | None:
+    """An upper bound on the UTF-8 bytes one token covers: a byte-level BPE token (the GGUF
+    tokenizers we run) has a character per byte; other token texts never take fewer UTF-8
+    bytes than they stand for. None: unknown."""
+    if source.format == "random":
+        return 1  # byte-level: a token per byte
+    if source.format == "gguf":
+        return max(map(len, _read_gguf(source.path).tokens), default=None)
+    else:
+        try:
+            raw = json.loads((source.path / "tokenizer.json").read_text(encoding="utf-8"))
+            tokens = tuple(raw["model"]["vocab"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in tokens), default=None)
+
+
 def model_config(source: ModelSource) -> dict[str, Any]:
     """The config mlx-lm's ModelArgs take: config.json, or rebuilt from GGUF metadata."""
     if source.format == "gguf":

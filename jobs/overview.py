@@ -1,13 +1,12 @@
-"""One snapshot of the whole service for `ringq top`: RQ queue lengths, live nodes, running jobs,
-idle warm groups.
+"""One snapshot of the whole service for `ringq top`: RQ queue lengths, live nodes, running and
+queued jobs, idle warm groups.
 
-Read-only and cheap enough to poll every second: running jobs are found by reading only the
-`state` field of every indexed job (pipelined, a chunk per round trip), and only the small
-fields of live ones are fetched, never a spec (which holds the whole document)."""
+Read-only and cheap enough to poll every second: running and queued jobs are read from the
+per-state indexes (jobs/listing.py), and only their small fields, never a spec (which holds the
+whole document). Queues of nodes that stopped heartbeating are left out."""
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -15,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from jobs import keys
 from jobs.lifecycle import JobState
+from jobs.listing import JobSummary, ensure_state_indexes, eta_s, summaries
 from jobs.reservations import Reservations
 from jobs.schemas import JobKind, NodeInfo, Placement, Progress
 from jobs.store import JobStore
@@ -65,6 +65,11 @@ class Overview(_Row):
     reserved_bytes: dict[str, int]  # node -> bytes held by running groups' reservations
     running: list[RunningJob]
     idle_groups: list[IdleGroup] = []
+    queued: list[JobSummary] = []  # oldest first (the next to be placed), waiting_reason each
+    queued_total: int = 0  # all queued jobs; `queued` holds the first QUEUED_SHOWN
+
+
+QUEUED_SHOWN = 50
 
 
 def take_overview(conn: redis.Redis) -> Overview:
@@ -73,10 +78,12 @@ def take_overview(conn: redis.Redis) -> Overview:
     nodes = store.live_nodes()
     return Overview(
         taken_at=time.time(),
-        queues=queue_rows(conn),
+        queues=queue_rows(conn, [n.name for n in nodes]),
         nodes=nodes,
         reserved_bytes=reserved_per_node(conn, [n.name for n in nodes]),
         running=running_jobs(conn),
+        queued=oldest_queued(conn, QUEUED_SHOWN),
+        queued_total=int(conn.zcard(keys.jobs_in_state(JobState.QUEUED))),
         idle_groups=[
             IdleGroup(
                 group_id=g.group_id,
@@ -95,48 +102,44 @@ def reserved_per_node(conn: redis.Redis, names: list[str]) -> dict[str, int]:
     return {name: reservations.reserved_bytes(name) for name in names}
 
 
-def queue_rows(conn: redis.Redis) -> list[QueueRow]:
-    names = sorted(_text(n) for n in conn.smembers(keys.NODES_INDEX))
-    queues = [admit_queue(conn)] + [node_queue(conn, name) for name in names]
+def queue_rows(conn: redis.Redis, live_nodes: list[str] | None = None) -> list[QueueRow]:
+    """The admit queue, then the queue of each live node (all registered ones when None)."""
+    if live_nodes is None:
+        live_nodes = sorted(_text(n) for n in conn.smembers(keys.NODES_INDEX))
+    queues = [admit_queue(conn)] + [node_queue(conn, name) for name in sorted(live_nodes)]
     return [
         QueueRow(name=q.name, queued=q.count, started=q.started_job_registry.count) for q in queues
     ]
 
 
 def running_jobs(conn: redis.Redis, chunk_jobs: int = SCAN_CHUNK_JOBS) -> list[RunningJob]:
-    """Every indexed job whose state is admitted, loading, prefill or decode, oldest first."""
+    """Every job whose state is admitted, loading, prefill or decode, oldest first, from the
+    per-state indexes."""
+    ensure_state_indexes(conn)
+    ids: set[str] = set()
+    for state in RUNNING_STATES:
+        ids.update(_text(i) for i in conn.zrange(keys.jobs_in_state(state), 0, -1))
     found: list[RunningJob] = []
-    for ids in _indexed_ids(conn, chunk_jobs):
+    ordered = sorted(ids)
+    for start in range(0, len(ordered), chunk_jobs):
+        chunk = ordered[start : start + chunk_jobs]
         with conn.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.hget(keys.job(job_id), "state")
-            states = pipe.execute()
-        live = [i for i, s in zip(ids, states, strict=True) if s and _is_running(s)]
-        if not live:
-            continue
-        with conn.pipeline(transaction=False) as pipe:
-            for job_id in live:
+            for job_id in chunk:
                 pipe.hmget(keys.job(job_id), _RUNNING_FIELDS)
             rows = pipe.execute()
-        found += [_running_job(i, r) for i, r in zip(live, rows, strict=True) if None not in r]
-    return found
+        found += [
+            _running_job(i, r)
+            for i, r in zip(chunk, rows, strict=True)
+            if None not in r and _is_running(r[1])
+        ]
+    return sorted(found, key=lambda job: (job.created_at, job.id))
 
 
-def eta_s(progress: Progress) -> float | None:
-    """Seconds left in prefill at the current speed; None when there is no speed to go by."""
-    if progress.phase != JobState.PREFILL or progress.prompt_tps <= 0:
-        return None
-    return max(progress.total - progress.processed, 0) / progress.prompt_tps
-
-
-def _indexed_ids(conn: redis.Redis, chunk_jobs: int) -> Iterator[list[str]]:
-    start = 0
-    while True:
-        chunk = conn.zrange(keys.JOBS_INDEX, start, start + chunk_jobs - 1)
-        if not chunk:
-            return
-        yield [_text(i) for i in chunk]
-        start += chunk_jobs
+def oldest_queued(conn: redis.Redis, limit: int) -> list[JobSummary]:
+    """The queued jobs that are placed next (oldest first), with why each waits."""
+    ensure_state_indexes(conn)
+    ids = [_text(i) for i in conn.zrange(keys.jobs_in_state(JobState.QUEUED), 0, limit - 1)]
+    return summaries(conn, ids, JobState.QUEUED)
 
 
 def _is_running(raw_state: bytes | str) -> bool:

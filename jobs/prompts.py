@@ -1,8 +1,8 @@
 """A job's prompt tokens, and the check that they fit its model's context."""
 
 from admission.model_shape import ModelShape
-from jobs.errors import InvalidJobError
 from jobs.model_catalog import load_tokenizer, read_model_shape, resolve_model
+from jobs.model_info import check_context
 from jobs.schemas import JobKind, JobSpec
 
 CPU_COMPUTE_DTYPE = "float32"  # admission plans in float32; GPU nodes scale it to their dtype
@@ -15,11 +15,8 @@ def tokenize_and_check(
     InvalidJobError past the model's context."""
     tokens = prompt_tokens(spec) if tokens is None else tokens
     shape = read_model_shape(resolve_model(spec.model), dtype=CPU_COMPUTE_DTYPE)
-    if len(tokens) + new_tokens(spec) > shape.context_length:
-        raise InvalidJobError(
-            f"prompt of {len(tokens)} tokens (+{new_tokens(spec)} to generate) exceeds "
-            f"{spec.model}'s context of {shape.context_length} tokens; shorten the document"
-        )
+    # says which number to lower: max_tokens or the document
+    check_context(spec.model, shape.context_length, len(tokens), new_tokens(spec), exact=True)
     return tokens, shape
 
 

@@ -13,6 +13,7 @@ from jobs.lifecycle import JobState
 
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "$" would allow a "\n"
 DEFAULT_GENERATE_PROMPT = "Summarise the document above in a few sentences."
+StopText = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class JobKind(StrEnum):
@@ -46,6 +47,8 @@ class JobSpec(_Message):
     custom_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     keep_cache: bool = False  # prefill: keep the KV cache on its node for later generate jobs
     cache_from: str | None = None  # generate: start from this prefill job's kept KV cache
+    stop: Annotated[list[StopText], Field(max_length=4)] = []  # generation ends at any of them
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None  # sampling seed (temperature > 0)
 
     @field_validator("document")
     @classmethod
@@ -94,6 +97,7 @@ class Progress(_Message):
     processed: int = 0
     total: int = 0
     prompt_tps: float = 0.0
+    generation_tps: float = 0.0  # decode: generated tokens per second so far
     updated_at: float = Field(default_factory=time.time)
 
 
@@ -153,6 +157,14 @@ class BatchEntry(_Message):
     max_tokens: int
 
 
+class SkippedLine(_Message):
+    """An invalid batch line left out with --skip-invalid."""
+
+    line_number: int
+    custom_id: str | None = None
+    message: str
+
+
 class BatchRecord(_Message):
     """A batch as submitted: its jobs in input order."""
 
@@ -161,6 +173,7 @@ class BatchRecord(_Message):
     input_name: str
     entries: list[BatchEntry]
     skipped_lines: int = 0  # invalid lines left out with --skip-invalid
+    skipped: list[SkippedLine] = []  # those lines and why (written to the errors file)
 
 
 class NodeInfo(_Message):

@@ -114,6 +114,11 @@ class Settings(BaseSettings):
         description="Internal: a node agent sets it for its ranks (the node's memory budget), "
         "so ranks sharing a GPU stay within their shares.",
     )
+    api_keys: str | None = Field(
+        default=None,
+        description="Bearer keys of `ringq serve`'s HTTP API, comma-separated; unset: no key "
+        "needed, which `ringq serve` allows only on a loopback address.",
+    )
     prefix_cache: Literal["on", "off"] = Field(
         default="on",
         description="Keep every job's prompt KV on its node and start later jobs that share "

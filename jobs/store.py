@@ -19,6 +19,8 @@ from jobs.lifecycle import JobState, can_transition
 from jobs.schemas import JobRecord, JobSpec, NodeInfo, Progress
 from jobs.settings import get_settings
 
+SUMMARY_FIELD = "summary"  # small spec fields for listings (summary_fields), not a JobRecord field
+
 
 class JobStore:
     def __init__(self, conn: redis.Redis, job_ttl_s: int | None = None):
@@ -42,10 +44,12 @@ class JobStore:
         callers that own their ids (a batch derives them from its own, claimed id)."""
         records = [_new_record(job_id, spec, now) for job_id, spec in jobs]
         for record in records:
-            pipe.hset(keys.job(record.id), mapping=_encode(record.model_dump(mode="json")))
+            fields = {**record.model_dump(mode="json"), SUMMARY_FIELD: summary_fields(record.spec)}
+            pipe.hset(keys.job(record.id), mapping=_encode(fields))
             pipe.expire(keys.job(record.id), self.job_ttl_s)
         if records:
             pipe.zadd(keys.JOBS_INDEX, {record.id: now for record in records})
+            pipe.zadd(keys.jobs_in_state(JobState.QUEUED), {record.id: now for record in records})
         return records
 
     def get(self, job_id: str) -> JobRecord:
@@ -58,7 +62,7 @@ class JobStore:
             raise CorruptRecordError(
                 f"job {job_id!r}: its record in Redis is not valid JSON"
             ) from None
-        return JobRecord.model_validate(fields)
+        return JobRecord.model_validate({k: v for k, v in fields.items() if k != SUMMARY_FIELD})
 
     def transition(
         self,
@@ -78,7 +82,9 @@ class JobStore:
             while True:
                 try:
                     pipe.watch(key)
-                    raw_state, raw_placement = pipe.hmget(key, ["state", "placement"])
+                    raw_state, raw_placement, raw_created = pipe.hmget(
+                        key, ["state", "placement", "created_at"]
+                    )
                     if raw_state is None:
                         raise JobNotFoundError(f"no job {job_id!r}")
                     old = JobState(json.loads(raw_state))
@@ -90,6 +96,7 @@ class JobStore:
                     pipe.hset(key, mapping=_encode({"state": new, "updated_at": time.time()}))
                     if fields:
                         pipe.hset(key, mapping=_encode(_dump(fields)))
+                    move_in_state_index(pipe, job_id, old, new, json.loads(raw_created or "0"))
                     if also is not None:
                         also(pipe)
                     pipe.execute()
@@ -152,6 +159,24 @@ class JobStore:
 
     def remove_node(self, name: str) -> None:
         self.conn.delete(keys.node(name))
+
+
+def move_in_state_index(
+    pipe: redis.client.Pipeline, job_id: str, old: JobState, new: JobState, created_at: float
+) -> None:
+    """Keep the per-state indexes (jobs/listing.py) in the transaction of a state change."""
+    pipe.zrem(keys.jobs_in_state(old), job_id)
+    pipe.zadd(keys.jobs_in_state(new), {job_id: created_at})
+
+
+def summary_fields(spec: JobSpec) -> dict[str, Any]:
+    """What a job list shows of the spec, stored apart so a list never reads the document."""
+    return {
+        "model": spec.model,
+        "document_name": spec.document_name,
+        "custom_id": spec.custom_id,
+        "max_tokens": spec.max_tokens,
+    }
 
 
 def _check_group(job_id: str, raw_placement: bytes | str | None, group_id: str) -> None:

@@ -11,7 +11,7 @@ from rq.serializers import JSONSerializer
 
 from jobs import keys
 from jobs.errors import InvalidJobError
-from jobs.model_catalog import resolve_model
+from jobs.model_info import check_spec
 from jobs.schemas import JobRecord, JobSpec, check_job_id
 from jobs.store import JobStore
 
@@ -36,7 +36,7 @@ def submit_job(conn: redis.Redis, spec: JobSpec, job_id: str | None = None) -> J
         job_id = check_job_id(job_id) if job_id else new_job_id()
     except ValueError as exc:
         raise InvalidJobError(str(exc)) from None
-    resolve_model(spec.model)  # an unknown model is the user's error: say so now, not later
+    check_spec(spec)  # an unknown model, too many max_tokens: the user's error, said now
     record = JobStore(conn).create(job_id, spec)
     admit_queue(conn).enqueue_many([admit_data(job_id)])
     return record
@@ -62,8 +62,8 @@ def enqueue_jobs(
     instead of several round trips each. Ids are not checked to be free: pass fresh ones.
     Each job's record is written before its RQ job, so the dispatcher never finds an RQ job
     without its record."""
-    for model in sorted({spec.model for _, spec in jobs}):
-        resolve_model(model)  # once per distinct model: a GGUF read takes seconds
+    for _, spec in jobs:
+        check_spec(spec)  # model metadata is cached (jobs/model_info.py)
     store, queue = JobStore(conn), admit_queue(conn)
     records: list[JobRecord] = []
     for start in range(0, len(jobs), chunk_jobs):

@@ -40,7 +40,7 @@ class JobIO(Protocol):
     def finish(self, result: JobResult) -> None: ...
     def fail(self, reason: str, retry: bool = True) -> None: ...
     def should_stop(self) -> bool: ...
-    def cancelled(self, reason: str) -> None: ...
+    def cancelled(self, reason: str, partial: JobResult | None = None) -> None: ...
 
 
 class RedisJobIO:
@@ -112,7 +112,10 @@ class RedisJobIO:
 
     def finish(self, result: JobResult) -> None:
         last = self.store.get(self.job_id).progress
-        done = Progress(phase=JobState.FINISHED, processed=last.processed, total=last.processed)
+        # a generate job ends with its generated count (the last decode step may not have been
+        # written: progress is throttled), a prefill job with its prompt's
+        count = result.generated_tokens or last.processed
+        done = Progress(phase=JobState.FINISHED, processed=count, total=count)
         self.store.transition(
             self.job_id, JobState.FINISHED, group_id=self.group_id, result=result, progress=done
         )
@@ -128,8 +131,8 @@ class RedisJobIO:
             self._stop = cancel_requested(self.store.conn, self.job_id)
         return self._stop
 
-    def cancelled(self, reason: str) -> None:
-        mark_cancelled(self.store, self.job_id, reason)
+    def cancelled(self, reason: str, partial: JobResult | None = None) -> None:
+        mark_cancelled(self.store, self.job_id, reason, partial)
 
 
 class FileJobIO:
@@ -177,7 +180,7 @@ class FileJobIO:
     def should_stop(self) -> bool:
         return False
 
-    def cancelled(self, reason: str) -> None:
+    def cancelled(self, reason: str, partial: JobResult | None = None) -> None:
         self._write("error", reason)
 
     def _write(self, event: str, data: object) -> None:

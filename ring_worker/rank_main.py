@@ -21,6 +21,7 @@ from jobs.lifecycle import JobState
 from jobs.model_catalog import ChatTokenizer, load_tokenizer, resolve_model
 from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
 from jobs.settings import Settings
+from ring_worker.decode_text import cut_at_stop, partial_result, stop_check
 from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
 from ring_worker.group import join_group
@@ -69,7 +70,9 @@ def serve(ctx: RankContext, io: JobIO, watchdog: Watchdog) -> None:
         except Cancelled as exc:  # every rank stops this job together; the group lives on
             log.info("job %s rank %d: cancelled, %s", job.job_id, ctx.rank, exc)
             if ctx.lead:
-                job.cancelled(f"cancelled: {exc}")
+                spec = job.spec()
+                partial = partial_result(tokenizer, exc.tokens, len(job.tokens()), spec.stop)
+                job.cancelled(f"cancelled: {exc}", partial)
         load_s = 0.0
         job = next_job(ctx, engine, job, watchdog)
 
@@ -107,8 +110,10 @@ def run_job(
             spec.max_tokens,
             temperature=spec.temperature,
             stop_ids=tokenizer.eos_token_ids,
+            seed=spec.seed or 0,
             on_progress=report,
             should_stop=io.should_stop,
+            stop_when=stop_check(tokenizer, spec.stop),
         )
     watchdog.kick("finishing")
     peaks = engine.gather_ints(mx.get_peak_memory())
@@ -219,7 +224,7 @@ def job_result(
     generated = decoded.tokens
     text = tokenizer.decode([t for t in generated if t not in tokenizer.eos_token_ids])
     return JobResult(
-        text=text if spec.kind == JobKind.GENERATE else None,
+        text=cut_at_stop(text, spec.stop) if spec.kind == JobKind.GENERATE else None,
         prompt_tokens=prompt_tokens,
         generated_tokens=len(generated),
         prompt_tps=prefill.prompt_tokens / prefill.seconds,  # the tokens computed
@@ -270,6 +275,7 @@ def throttled(io: JobIO, lead: bool):
                 processed=done,
                 total=total,
                 prompt_tps=done / elapsed if phase == "prefill" else 0.0,
+                generation_tps=done / elapsed if phase == "decode" else 0.0,
             )
         )
 

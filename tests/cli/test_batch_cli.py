@@ -21,7 +21,7 @@ def ringq(redis_url, redis_conn, monkeypatch) -> Iterator:
     get_settings.cache_clear()
 
     def invoke(*args: str, stdin: str | None = None) -> Result:
-        return CliRunner().invoke(cli, list(args), input=stdin)
+        return CliRunner().invoke(cli, list(args), input=stdin, env={"COLUMNS": "200"})
 
     yield invoke
     monkeypatch.undo()
@@ -69,12 +69,15 @@ def test_submit_status_results_cancel(ringq, redis_conn, batch_file, tmp_path):
 
     out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     written = ringq("batch", "results", batch_id, "-o", str(out), "--errors", str(errors), "--json")
-    assert json.loads(written.stdout)["errors_written"] == 3
+    counts = json.loads(written.stdout)
+    assert (counts["errors_written"], counts["failed"], counts["cancelled"]) == (3, 1, 2)
     assert out.read_text() == ""
     codes = [json.loads(line)["error"]["code"] for line in errors.read_text().splitlines()]
     assert codes == ["failed", "cancelled", "cancelled"]
     plain_text = ringq("batch", "results", batch_id, "-o", str(out)).stdout
-    assert "3 failed or cancelled: not written (use --errors FILE)" in plain_text
+    assert "error lines (1 failed, 2 cancelled, 0 skipped): not written (use --errors FILE)" in (
+        plain_text
+    )
 
 
 def test_invalid_lines_refuse_the_whole_batch(ringq, redis_conn, tmp_path):
@@ -97,11 +100,35 @@ def test_skip_invalid_enqueues_the_good_lines(ringq, redis_conn, tmp_path):
     assert admit_queue(redis_conn).count == 2
     status = json.loads(ringq("batch", "status", batch_id, "--json").stdout)
     assert status["total"] == 2 and status["skipped_lines"] == 1
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    written = ringq("batch", "results", batch_id, "-o", str(out), "--errors", str(errors), "--json")
+    assert json.loads(written.stdout)["skipped"] == 1
+    [skipped] = [json.loads(line) for line in errors.read_text().splitlines()]
+    assert skipped["error"]["code"] == "skipped" and skipped["custom_id"] is None
+    assert skipped["error"]["message"].startswith("line 2: invalid JSON")
 
 
-def test_openai_model_names_need_model_override(ringq, batch_file):
+def test_openai_model_names_get_one_hint_to_use_model(ringq, batch_file):
     result = ringq("batch", "submit", str(batch_file))
-    assert result.exit_code == 1 and "model 'gpt-4o-mini' not found" in result.stderr
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.count("model 'gpt-4o-mini' not found") == 1  # in the hint, once
+    assert result.stderr.count("does not run here (see the hint)") == 2  # lines 1 and 3
+    assert "`ringq batch submit --model smollm2` runs every line on one model" in result.stderr
+
+
+def test_batch_list_newest_first_with_counts(ringq, redis_conn, batch_file):
+    first = ringq("batch", "submit", str(batch_file), "--model", "smollm2").stdout.strip()
+    second = ringq("batch", "submit", str(batch_file), "--model", "smollm2").stdout.strip()
+    ringq("cancel", f"{second}-1")
+    listed = json.loads(ringq("batch", "list", "--json").stdout)["batches"]
+    assert [b["id"] for b in listed] == [second, first]
+    assert (listed[0]["total"], listed[0]["queued"], listed[0]["cancelled"]) == (3, 2, 1)
+    table = ringq("batch", "list").stdout
+    assert first in table and "in.jsonl" in table
+    jobs = json.loads(ringq("jobs", "--batch", second, "--json").stdout)["jobs"]
+    assert [j["id"] for j in jobs] == [f"{second}-1", f"{second}-2", f"{second}-3"]
+    assert [j["state"] for j in jobs] == ["cancelled", "queued", "queued"]
+    assert [j["custom_id"] for j in jobs] == ["a", "p", "b"]
 
 
 def test_unknown_batch_is_one_line(ringq):

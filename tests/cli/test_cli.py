@@ -111,10 +111,30 @@ def test_submit_status_result_against_a_running_cluster(cluster, doc, tiny_llama
     result = json.loads(ringq("result", "cli-job-1", "--json", env_extra=env).stdout)
     assert result["state"] == "finished" and result["generated_tokens"] >= 1
     assert len(result["peak_memory_bytes"]) == 2
+    assert status["progress"]["processed"] == result["generated_tokens"]  # not one short
+    assert_stop_string_ends_the_text(env, doc, tiny_llama_dir, result["text"])
     nodes = json.loads(ringq("nodes", "--json", env_extra=env).stdout)
     assert {n["name"] for n in nodes["nodes"]} >= {"node-0", "node-1"}
     again = ringq("submit", "prefill", str(doc), "--id", "cli-job-1", env_extra=env)
     assert again.returncode == 1 and "already exists" in again.stderr
+
+
+def assert_stop_string_ends_the_text(env, doc, model_dir, text: str) -> None:
+    """The same greedy job with a stop string taken from its answer ends where it appears."""
+    if not text.strip():
+        pytest.skip(f"the tiny model answered whitespace only ({text!r}): no stop string to pick")
+    stop = text.strip()[len(text.strip()) // 2]
+    submitted = ringq(
+        *("submit", "generate", str(doc), "--model", str(model_dir), "--prompt", "Where?"),
+        *("--max-tokens", "6", "--ring-size", "2", "--stop", stop, "--seed", "1"),
+        env_extra=env,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    waited = ringq("result", job_id, "--wait", "120", "--json", env_extra=env)
+    assert waited.returncode == 0, waited.stderr
+    stopped = json.loads(waited.stdout)
+    assert stopped["text"] == text[: text.index(stop)]
 
 
 def test_status_of_unknown_job(cluster):

@@ -109,8 +109,8 @@ def test_overview_counts_queues_nodes_and_running_jobs(redis_conn, busy):
     assert (idle.group_id, idle.nodes, idle.bytes_per_node) == ("warm1", ["node-0"], 2 * GiB)
 
 
-def test_running_jobs_scans_past_one_chunk(redis_conn, busy):
-    """The scan pages through the job index: a chunk of 2 must find the same jobs as one."""
+def test_running_jobs_reads_in_chunks(redis_conn, busy):
+    """Running jobs are read a chunk at a time: a chunk of 2 must find the same jobs as one."""
     assert [j.id for j in running_jobs(redis_conn, chunk_jobs=2)] == ["job-0", "job-1"]
 
 
@@ -130,7 +130,11 @@ def test_top_json_is_one_object(ringq, busy):
         "reserved_bytes",
         "running",
         "idle_groups",
+        "queued",
+        "queued_total",
     }
+    assert [job["id"] for job in payload["queued"]] == ["job-2", "job-3"]  # oldest first
+    assert payload["queued_total"] == 2
     assert payload["queues"][0] == {"name": "ringq:admit", "queued": 5, "started": 0}
     assert {n["name"]: n["available_bytes"] for n in payload["nodes"]} == {
         "node-0": 20 * GiB,
@@ -156,7 +160,21 @@ def test_top_once_prints_one_frame(ringq, busy):
         "2.00 GiB",
     ):
         assert text in out.stdout, text
-    assert "job-2" not in out.stdout and "job-4" not in out.stdout  # queued, failed
+    assert "job-4" not in out.stdout  # failed
+    assert (
+        "queued jobs: 2" in out.stdout
+        and "job-2" in out.stdout
+        and "not admitted yet" in out.stdout
+    )
+
+
+def test_top_shows_why_queued_jobs_wait_and_only_live_nodes_queues(redis_conn, busy):
+    JobStore(redis_conn).set_waiting("job-3", "needs 3.0 GiB on node-0, 1.0 GiB free")
+    JobStore(redis_conn).remove_node("node-1")  # stopped heartbeating: its record expired
+    overview = take_overview(redis_conn)
+    assert [q.name for q in overview.queues] == ["ringq:admit", "ringq:node:node-0:commands"]
+    reasons = {job.id: job.waiting_reason for job in overview.queued}
+    assert reasons == {"job-2": None, "job-3": "needs 3.0 GiB on node-0, 1.0 GiB free"}
 
 
 def test_top_on_an_empty_redis(ringq):
@@ -190,6 +208,8 @@ def test_follow_redraws_until_ctrl_c(redis_conn, busy) -> None:
         (Progress(phase=JobState.PREFILL, processed=0, total=1100, prompt_tps=0.0), None),
         (Progress(phase=JobState.LOADING, processed=0, total=1100, prompt_tps=50.0), None),
         (Progress(phase=JobState.PREFILL, processed=1200, total=1100, prompt_tps=50.0), 0.0),
+        (Progress(phase=JobState.DECODE, processed=10, total=110, generation_tps=20.0), 5.0),
+        (Progress(phase=JobState.DECODE, processed=10, total=110, prompt_tps=20.0), None),
     ],
 )
 def test_eta_s(progress, expected):

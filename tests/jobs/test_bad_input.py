@@ -511,7 +511,7 @@ def batch_file_cases() -> list[Case]:
         Case(
             "batch-model-unknown",
             ("batch", "submit", "{d}/all-good.jsonl", "--model=nope"),
-            "line 1: model 'nope' not found",
+            "line 1: model 'nope' does not run here (see the hint). Hint: model 'nope' not found",
         ),
         Case(
             "batch-skip-invalid-all-bad",
@@ -673,7 +673,7 @@ def test_bad_jobs_fail_in_the_cluster_and_it_stays_up(cluster, corpus):
         "over-context": (JobSpec(document="x" * 17_000, **tiny), "exceeds"),
         "over-context-with-answer": (
             JobSpec(kind="generate", document="x" * 16_000, model=GOOD_MODEL, max_tokens=1000),
-            "(+1000 to generate) exceeds random:tiny-llama's context of 16384 tokens",
+            "+ 1000 to generate exceeds random:tiny-llama's context of 16384 tokens: shorten",
         ),
         "over-memory": (
             JobSpec(kind="prefill", document="A short one.", model="random:llama-3.1-8b"),

@@ -59,7 +59,7 @@ def parse(lines, base_dir=Path("."), defaults=DEFAULTS):
         (plain(max_tokens="5"), "max_tokens: Input should be a valid integer"),
         (plain(max_tokens=0), "max_tokens: Input should be greater than or equal to 1"),
         (plain(kind="decode"), "kind: Input should be 'prefill' or 'generate'"),
-        (plain(model="gpt-17"), "model 'gpt-17' not found"),
+        (plain(model="gpt-17"), "model 'gpt-17' does not run here"),
         (plain(document=None, document_path="missing.txt"), "No such file"),
         (chat().replace(URL, "/v1/embeddings"), "url: Input should be '/v1/chat/completions'"),
         (chat().replace('"POST"', '"GET"'), "method: Input should be 'POST'"),
@@ -153,6 +153,45 @@ def test_invalid_lines_refuse_the_batch_unless_skipped():
     assert "line 22:" not in message and message.endswith("; and 5 more")
     assert len(raised.value.line_errors) == 25 and "\n" not in message
     assert [item.custom_id for item in require_valid(parsed, skip_invalid=True)] == ["ok"]
+
+
+def test_openai_sampling_fields_are_honoured_or_refused_clearly():
+    parsed = parse(
+        [
+            chat("s", stop="\n\n", seed=7, n=1, top_p=1),
+            chat("l", stop=["END", "STOP"]),
+            chat("n", n=3),
+            chat("p", top_p=0.9),
+            plain("q", stop=["."], seed=1),
+        ]
+    )
+    specs = {item.custom_id: item.spec for item in parsed.items}
+    assert (specs["s"].stop, specs["s"].seed) == (["\n\n"], 7)
+    assert specs["l"].stop == ["END", "STOP"] and specs["l"].seed is None
+    assert (specs["q"].stop, specs["q"].seed) == (["."], 1)
+    errors = {e.custom_id: e.message for e in parsed.errors}
+    assert "n=3: ringq returns one completion per request" in errors["n"]
+    assert "top_p=0.9 is not supported" in errors["p"]
+
+
+def test_lines_naming_models_that_do_not_run_here_get_one_hint():
+    lines = [chat(f"c{n}", model="gpt-4o-mini") for n in range(30)]
+    parsed = parse(lines)
+    assert {e.message for e in parsed.errors} == {
+        "model 'gpt-4o-mini' does not run here (see the hint)"
+    }
+    assert parsed.hint is not None and "--model smollm2" in parsed.hint
+    assert "not found" in parsed.hint and "overriding the lines' models" in parsed.hint
+    with pytest.raises(BatchInputError) as raised:
+        require_valid(parsed, skip_invalid=False)
+    assert str(raised.value).count("--model") == 1
+
+
+def test_max_tokens_past_the_context_is_refused_per_line_saying_what_to_lower():
+    parsed = parse([plain("big", model="random:tiny-llama", max_tokens=20000)])
+    [error] = parsed.errors
+    assert "exceeds random:tiny-llama's context of 16384 tokens" in error.message
+    assert error.message.endswith("lower --max-tokens (max_tokens) below 16374")  # a token a byte
 
 
 def test_a_batch_without_good_lines_is_refused_even_with_skip_invalid():

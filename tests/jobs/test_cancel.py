@@ -159,3 +159,30 @@ def ringq(*args: str, url: str) -> subprocess.CompletedProcess:
         env=env,
         timeout=60,
     )
+
+
+def test_cancel_in_decode_keeps_the_text_generated_so_far(cancel_cluster, store):
+    """random:tiny-llama has no EOS: it decodes until max_tokens unless cancelled."""
+    spec = JobSpec(
+        kind=JobKind.GENERATE,
+        document="A short document.",
+        model="random:tiny-llama",
+        max_tokens=4000,
+        sharding=Sharding.SINGLE,
+    )
+    record = submit_job(store.conn, spec)
+
+    def decoding() -> JobRecord | None:
+        now = store.get(record.id)
+        assert not now.state.is_final, f"job ended before it could be cancelled: {now}"
+        started = now.state == JobState.DECODE and now.progress.total == spec.max_tokens
+        return now if started and now.progress.processed >= 3 else None
+
+    wait_for(decoding, "decode to start")
+    cancel_job(store.conn, record.id)
+    final = wait_for(lambda: final_record(store, record.id), "the job to end")
+    assert final.state == JobState.CANCELLED and "generated tokens" in (final.error or "")
+    assert final.result is not None and final.result.text
+    assert 3 <= final.result.generated_tokens < spec.max_tokens
+    proc = ringq("result", record.id, "--json", url=cancel_cluster.url)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["text"] == final.result.text

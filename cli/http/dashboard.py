@@ -1,0 +1,110 @@
+"""The web dashboard: one HTML page, a small script and a style sheet, all served from the
+package (cli/http/static/, no CDN), and the JSON it polls:
+
+    GET /api/overview           nodes (device, budget, reserved), groups running and warm, queues
+    GET /api/batches?limit=     batches, newest first, with their counts and OpenAI status
+    GET /api/batches/{id}
+
+The page itself is `/` (lists) and `/jobs/{id}` (one job: timeline, progress, result)."""
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import redis
+from fastapi import APIRouter, Query
+from fastapi.responses import FileResponse
+
+from cli.http.batch_objects import batch_object
+from cli.http.batch_objects import load as load_openai_batch
+from cli.http.deps import Config, Conn
+from jobs import keys
+from jobs.batch import batch_counts, get_batch
+from jobs.errors import JobNotFoundError
+from jobs.listing import list_batches
+from jobs.overview import queue_rows, reserved_per_node
+from jobs.schemas import GroupSpec
+from jobs.store import JobStore
+from jobs.warm_groups import WarmGroups
+
+STATIC_DIR = Path(__file__).parent / "static"
+router = APIRouter()
+
+
+@router.get("/", include_in_schema=False)
+@router.get("/jobs/{job_id}", include_in_schema=False)
+def page(job_id: str | None = None) -> FileResponse:
+    return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/api/overview")
+def overview(conn: Conn) -> dict[str, Any]:
+    nodes = JobStore(conn).live_nodes()
+    reserved = reserved_per_node(conn, [n.name for n in nodes])
+    idle = WarmGroups(conn).idle()
+    idle_ids = {group.group_id for group, _ in idle}
+    return {
+        "nodes": [{**n.model_dump(mode="json"), "reserved_bytes": reserved[n.name]} for n in nodes],
+        "running_groups": [g for g in running_groups(conn) if g["group_id"] not in idle_ids],
+        "warm_groups": [
+            {**_group_json(group), "bytes_per_node": held, "state": "warm"} for group, held in idle
+        ],
+        "queues": [q.model_dump(mode="json") for q in queue_rows(conn)],
+    }
+
+
+@router.get("/api/batches")
+def batches(
+    conn: Conn, settings: Config, limit: Annotated[int, Query(ge=1, le=1000)] = 20
+) -> dict[str, Any]:
+    rows = [batch_json(conn, row.id, settings.job_ttl_s) for row in list_batches(conn, limit)]
+    return {"object": "list", "data": [row for row in rows if row is not None]}
+
+
+@router.get("/api/batches/{batch_id}")
+def batch(batch_id: str, conn: Conn, settings: Config) -> dict[str, Any]:
+    found = batch_json(conn, batch_id, settings.job_ttl_s)
+    if found is None:
+        raise JobNotFoundError(f"no batch {batch_id!r} (it never existed or its record expired)")
+    return found
+
+
+def batch_json(conn: redis.Redis, batch_id: str, ttl_s: int) -> dict[str, Any] | None:
+    """A ringq batch with its counts, and its OpenAI status when it came through /v1/batches."""
+    try:
+        record = get_batch(conn, batch_id)
+    except JobNotFoundError:
+        return None
+    counts = batch_counts(conn, record)
+    try:
+        openai_status = batch_object(conn, load_openai_batch(conn, batch_id), ttl_s)["status"]
+    except JobNotFoundError:
+        openai_status = None
+    return {
+        "id": record.id,
+        "input_name": record.input_name,
+        "created_at": record.created_at,
+        "counts": {**vars(counts), "done": counts.done},
+        "openai_status": openai_status,
+    }
+
+
+def running_groups(conn: redis.Redis) -> list[dict[str, Any]]:
+    rows = []
+    for raw in conn.hgetall(keys.GROUPS_INDEX).values():
+        entry = json.loads(raw)
+        group = GroupSpec.model_validate(entry["group"])
+        rows.append({**_group_json(group), "admitted_at": entry["admitted_at"], "state": "running"})
+    return sorted(rows, key=lambda row: row["admitted_at"])
+
+
+def _group_json(group: GroupSpec) -> dict[str, Any]:
+    return {
+        "group_id": group.group_id,
+        "job_id": group.job_id,
+        "model": group.model,
+        "strategy": group.strategy,
+        "nodes": group.nodes,
+        "devices": group.devices,
+        "kv_layout": group.kv_layout,
+    }

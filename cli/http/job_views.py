@@ -1,0 +1,107 @@
+"""Jobs as the API shows them: every field of the record but the spec, whose document may be
+megabytes. Read with HMGET of the small fields only, pipelined for many jobs."""
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from pydantic import BaseModel, ConfigDict
+
+from jobs import keys
+from jobs.errors import JobNotFoundError, UnknownModelError
+from jobs.lifecycle import JobState
+from jobs.model_catalog import PACKAGED_MODELS
+from jobs.overview import eta_s
+from jobs.random_models import PREFIX, PRESETS, is_random
+from jobs.schemas import JobKind, JobRecord, JobResult, Placement, Progress
+from jobs.settings import Settings
+
+VIEW_FIELDS = (
+    "kind",
+    "state",
+    "progress",
+    "placement",
+    "result",
+    "error",
+    "waiting_reason",
+    "attempt",
+    "created_at",
+    "updated_at",
+)
+
+
+class JobView(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    kind: JobKind
+    state: JobState
+    progress: Progress
+    placement: Placement | None = None
+    result: JobResult | None = None
+    error: str | None = None
+    waiting_reason: str | None = None
+    attempt: int = 0
+    created_at: float
+    updated_at: float
+    eta_s: float | None = None  # seconds left in the current phase (eta_for)
+
+
+def read_view(conn: redis.Redis, job_id: str) -> JobView:
+    [view] = read_views(conn, [job_id], missing_ok=False)
+    assert view is not None
+    return view
+
+
+def read_views(
+    conn: redis.Redis, job_ids: Sequence[str], missing_ok: bool = True
+) -> list[JobView | None]:
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hmget(keys.job(job_id), VIEW_FIELDS)
+        rows = pipe.execute()
+    views: list[JobView | None] = []
+    for job_id, row in zip(job_ids, rows, strict=True):
+        if row[0] is None:
+            if not missing_ok:
+                raise JobNotFoundError(f"no job {job_id!r} (it never existed or it expired)")
+            views.append(None)
+            continue
+        fields: dict[str, Any] = {
+            name: json.loads(value)
+            for name, value in zip(VIEW_FIELDS, row, strict=True)
+            if value is not None
+        }
+        progress = Progress.model_validate(fields.pop("progress"))
+        views.append(JobView(id=job_id, progress=progress, eta_s=eta_for(progress), **fields))
+    return views
+
+
+def eta_for(progress: Progress) -> float | None:
+    """Seconds left in the current phase at its own speed: prefill by prompt tok/s, decode by
+    generated tok/s (at most max_tokens are left); None without a speed to go by."""
+    if progress.phase == JobState.DECODE and progress.generation_tps > 0:
+        return max(progress.total - progress.processed, 0) / progress.generation_tps
+    return eta_s(progress)
+
+
+def spec_json(record: JobRecord) -> dict[str, Any]:
+    """The spec without its document (its size and name instead)."""
+    spec = record.spec.model_dump(mode="json", exclude={"document"})
+    return {**spec, "document_chars": len(record.spec.document)}
+
+
+def check_served_model(model: str, settings: Settings) -> None:
+    """Callers of the API name built-in models (smollm2, random:...); a path on the server only
+    inside RINGQ_ALLOWED_DIRS, and only when that is set."""
+    if model in PACKAGED_MODELS or is_random(model) or settings.allowed_dirs is not None:
+        return
+    raise UnknownModelError(
+        f"model {model!r} is not one of ringq's built-in models ({', '.join(served_models())}); "
+        "model paths on the server are served only when RINGQ_ALLOWED_DIRS is set"
+    )
+
+
+def served_models() -> list[str]:
+    return [*PACKAGED_MODELS, *(PREFIX + name for name in PRESETS)]

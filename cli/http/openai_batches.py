@@ -1,0 +1,208 @@
+"""OpenAI's /v1/batches: create (from an uploaded input file), retrieve, list, cancel.
+
+Create answers at once with status "validating"; the input is checked and its jobs enqueued in
+the background (resolving a GGUF model takes seconds). Every line must be valid, as with OpenAI:
+one bad line fails the batch, and `errors` names the lines. OpenAI model names ("gpt-4o-mini")
+do not run here: `metadata={"model": "smollm2"}` runs every line on a ringq model."""
+
+import logging
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import redis
+from fastapi import APIRouter, BackgroundTasks, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from cli.http.batch_objects import (
+    LineErrorObject,
+    OpenAIBatchRecord,
+    batch_object,
+    cancel_if_asked,
+    change,
+    load,
+    save,
+)
+from cli.http.deps import Config, Conn
+from cli.http.errors import ApiError
+from cli.http.file_store import FileStore
+from cli.http.openai_files import page
+from jobs import keys
+from jobs.batch import new_batch_id, submit_batch
+from jobs.batch_input import CHAT_COMPLETIONS_URL, Defaults, ParsedBatch, parse_batch_lines
+from jobs.errors import RingqError
+from jobs.settings import Settings
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/batches")
+DEFAULT_MAX_TOKENS = 256  # for lines that give none, as `ringq batch submit`
+MODEL_HINT = (
+    "; name a ringq model in the lines, or create the batch with metadata={'model': "
+    "'smollm2'} (any ringq model) to run every line on it"
+)
+
+
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = None
+    output_expires_after: dict[str, Any] | None = None  # accepted; files expire with the jobs
+
+
+@router.post("")
+def create(
+    body: CreateBatch, conn: Conn, settings: Config, background: BackgroundTasks
+) -> dict[str, Any]:
+    if body.endpoint != CHAT_COMPLETIONS_URL:
+        raise ApiError(
+            400,
+            f"endpoint {body.endpoint!r} is not supported: ringq batches run "
+            f"{CHAT_COMPLETIONS_URL}",
+            param="endpoint",
+            code="invalid_value",
+        )
+    if body.completion_window != "24h":
+        raise ApiError(
+            400, "completion_window must be '24h'", param="completion_window", code="invalid_value"
+        )
+    input_file = FileStore(conn, settings.job_ttl_s).get(body.input_file_id)
+    if input_file.purpose != "batch":
+        raise ApiError(
+            400,
+            f"file {input_file.id} has purpose {input_file.purpose!r}, not 'batch'",
+            param="input_file_id",
+        )
+    record = OpenAIBatchRecord(
+        id=new_batch_id(),
+        endpoint=body.endpoint,
+        input_file_id=body.input_file_id,
+        completion_window=body.completion_window,
+        created_at=int(time.time()),
+        metadata=body.metadata,
+    )
+    save(conn, record, settings.job_ttl_s)
+    background.add_task(validate_and_enqueue, conn, settings, record)
+    return batch_object(conn, record, settings.job_ttl_s)
+
+
+@router.get("")
+def list_batches(
+    conn: Conn,
+    settings: Config,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: str | None = None,
+) -> dict[str, Any]:
+    ids = [_text(i) for i in conn.zrange(keys.OPENAI_BATCHES_INDEX, 0, -1, desc=True)]
+    if after is not None and after in ids:
+        ids = ids[ids.index(after) + 1 :]
+    found: list[dict[str, Any]] = []
+    for batch_id in ids:
+        try:
+            found.append(batch_object(conn, load(conn, batch_id), settings.job_ttl_s))
+        except RingqError:  # expired meanwhile
+            conn.zrem(keys.OPENAI_BATCHES_INDEX, batch_id)
+        if len(found) > limit:
+            break
+    return page(found[:limit], len(found) > limit)
+
+
+@router.get("/{batch_id}")
+def retrieve(batch_id: str, conn: Conn, settings: Config) -> dict[str, Any]:
+    return batch_object(conn, load(conn, batch_id), settings.job_ttl_s)
+
+
+@router.post("/{batch_id}/cancel")
+def cancel(batch_id: str, conn: Conn, settings: Config) -> dict[str, Any]:
+    now = int(time.time())
+
+    def ask(record: OpenAIBatchRecord) -> dict[str, Any] | None:
+        if record.stored in ("failed", "completed", "cancelled") or record.cancelling_at:
+            return None
+        return {"cancelling_at": now}
+
+    record = change(conn, batch_id, settings.job_ttl_s, ask)
+    if record.stored in ("failed", "completed", "cancelled"):
+        raise ApiError(
+            409,
+            f"batch {batch_id} is {record.stored}; only a running batch can be cancelled",
+            code="batch_not_cancellable",
+        )
+    cancel_if_asked(conn, record)  # while validating, whoever moves it on cancels its jobs
+    return batch_object(conn, record, settings.job_ttl_s)
+
+
+def validate_and_enqueue(conn: redis.Redis, settings: Settings, record: OpenAIBatchRecord) -> None:
+    """Check every line of the input file; enqueue them all, or fail the batch naming the bad
+    lines. A cancel that came before the jobs were enqueued wins: none is; one that came while
+    they were being enqueued cancels them."""
+    try:
+        errors = _enqueue(conn, settings, record)
+    except RingqError as exc:
+        errors = [LineErrorObject(code="invalid_file", message=str(exc))]
+    except Exception as exc:  # the server outlives any one batch
+        log.exception("batch %s: validation failed", record.id)
+        errors = [LineErrorObject(code="server_error", message=f"{type(exc).__name__}: {exc}")]
+    now = int(time.time())
+    enqueued = bool(conn.exists(keys.batch(record.id)))
+
+    def settle(current: OpenAIBatchRecord) -> dict[str, Any] | None:
+        if current.stored != "validating":  # a reader moved it on already
+            return None
+        if errors:
+            return {"stored": "failed", "failed_at": now, "errors": errors}
+        if current.cancelling_at is not None and not enqueued:
+            return {"stored": "cancelled", "cancelled_at": now}
+        return {"stored": "in_progress", "in_progress_at": now}
+
+    cancel_if_asked(conn, change(conn, record.id, settings.job_ttl_s, settle))
+
+
+def _enqueue(
+    conn: redis.Redis, settings: Settings, record: OpenAIBatchRecord
+) -> list[LineErrorObject]:
+    files = FileStore(conn, settings.job_ttl_s)
+    name = files.get(record.input_file_id).filename
+    try:
+        text = files.content(record.input_file_id).decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        message = f"not UTF-8 text (byte {exc.start}); a batch file is UTF-8 JSON Lines"
+        return [LineErrorObject(code="invalid_file", message=message)]
+    model = (record.metadata or {}).get("model")
+    defaults = Defaults(
+        model,
+        settings.default_model,
+        DEFAULT_MAX_TOKENS,
+        settings.max_document_bytes,
+        settings.allowed_dirs or [],  # no server file may be named by a remote caller
+    )
+    parsed = parse_batch_lines(text.splitlines(), Path("."), name, defaults)
+    if parsed.errors:
+        return _line_errors(parsed, hint_model=model is None)
+    if not parsed.items:
+        return [LineErrorObject(code="empty_file", message=f"{name}: no requests")]
+    if load(conn, record.id).cancelling_at is None:
+        submit_batch(conn, parsed.items, name, batch_id=record.id)
+    return []
+
+
+def _line_errors(parsed: ParsedBatch, hint_model: bool) -> list[LineErrorObject]:
+    """One error object a bad line; the hint about models that do not run here once, on the
+    first line naming one."""
+    found = [
+        LineErrorObject(code="invalid_request", message=e.message, line=e.line_number)
+        for e in parsed.errors
+    ]
+    model_lines = [i for i, e in enumerate(parsed.errors) if "does not run here" in e.message]
+    if parsed.hint and model_lines:
+        reason = parsed.hint.split("; `ringq batch submit")[0]
+        hint = f". Hint: {reason}" + (MODEL_HINT if hint_model else "")
+        first = found[model_lines[0]]
+        found[model_lines[0]] = first.model_copy(update={"message": first.message + hint})
+    return found
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,45 @@
+"""A Redis that goes away while a command runs: one line on stderr, no traceback."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from jobs.redis_server import connect, ensure_redis
+from jobs.schemas import JobKind, JobSpec
+from jobs.settings import Settings
+from jobs.store import JobStore
+from tests.helpers import short_tmp_dir
+
+
+def test_status_watch_when_redis_stops_is_one_line():
+    home = short_tmp_dir("ringq-lost-")
+    handle = ensure_redis(Settings(home=home, redis_url=None))
+    try:
+        spec = JobSpec(kind=JobKind.PREFILL, document="text", model="random:tiny-llama")
+        conn = connect(handle.url)
+        JobStore(conn).create("j1", spec)
+        env = {**os.environ, "RINGQ_REDIS_URL": handle.url, "RINGQ_HOME": str(home)}
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "status", "j1", "--watch"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 60  # a job that never moves: it watches until stopped
+        while len(conn.client_list()) < 2:  # this test's connection and the watcher's
+            assert time.monotonic() < deadline and watcher.poll() is None, watcher.communicate()
+            time.sleep(0.1)
+        time.sleep(0.5)
+        conn.close()
+        handle.stop()
+        _, stderr = watcher.communicate(timeout=60)
+    finally:
+        handle.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    last = stderr.strip().splitlines()[-1]
+    assert watcher.returncode == 1, stderr
+    assert last.startswith("Error: lost the connection to Redis (") and "ringq up" in last
+    assert "Traceback" not in stderr

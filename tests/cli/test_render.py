@@ -1,0 +1,91 @@
+"""What `ringq status`, `result` and `nodes` print: pure functions of records, table tests."""
+
+import io
+import time
+
+from rich.console import Console
+
+from cli.render import describe, nodes_table, result_json, stats_line, status_json
+from jobs.lifecycle import JobState
+from jobs.schemas import JobKind, JobRecord, JobSpec, NodeInfo, Placement, Progress
+
+STATS = {
+    "prompt_tokens": 1032,
+    "cached_tokens": 1015,
+    "prompt_tps": 32.0,
+    "generated_tokens": 18,
+    "generation_tps": 9.5,
+    "load_s": 0.0,
+    "prefill_s": 0.5,
+    "decode_s": 1.9,
+    "peak_memory_bytes": [2**20],
+}
+
+
+def record(state=JobState.QUEUED, prompt=None, **fields) -> JobRecord:
+    spec = JobSpec(kind=JobKind.GENERATE, document="doc", prompt=prompt)
+    now = time.time()
+    progress = fields.pop("progress", Progress(phase=state))
+    return JobRecord(
+        id="j1",
+        kind=JobKind.GENERATE,
+        state=state,
+        spec=spec,
+        progress=progress,
+        created_at=now,
+        updated_at=now,
+        **fields,
+    )
+
+
+def test_stats_line_says_how_many_prompt_tokens_came_from_the_cache():
+    assert stats_line(STATS).startswith(
+        "prompt 1032 tok (1015 from the kept cache, 17 computed) at 32.0 tok/s · generated 18"
+    )
+    assert stats_line({**STATS, "cached_tokens": 0}).startswith("prompt 1032 tok at 32.0 tok/s")
+
+
+def test_status_says_the_default_prompt_the_waiting_reason_and_the_placement_reason():
+    waiting = describe(record(waiting_reason="needs 3.0 GiB on node-0"))
+    assert "waiting: needs 3.0 GiB on node-0" in waiting
+    assert "prompt: none given, so the default: “Summarise the document" in waiting
+    placement = Placement(
+        strategy="ring",
+        ring_size=2,
+        nodes=["a", "b"],
+        group_id="g",
+        bytes_per_node=1,
+        reason="32,000 tokens: ring-2 fits, single does not",
+    )
+    decoding = Progress(phase=JobState.DECODE, processed=10, total=110, generation_tps=20.0)
+    running = record(JobState.DECODE, prompt="Why?", placement=placement, progress=decoding)
+    text = describe(running)
+    assert "placement: 32,000 tokens: ring-2 fits, single does not" in text
+    assert "decode: 10/110 tok at 20.0 tok/s, ETA 0:05" in text and "prompt:" not in text
+    payload = status_json(running)
+    assert payload["placement"]["reason"] == placement.reason
+    assert payload["progress"]["eta_s"] == 5.0 and payload["prompt"] == "Why?"
+
+
+def test_result_json_says_when_the_default_prompt_was_used():
+    assert result_json(record())["default_prompt"] is True
+    assert result_json(record(prompt="Why?"))["default_prompt"] is False
+
+
+def test_nodes_table_shows_each_nodes_device():
+    now = time.time()
+    common = dict(memory_bytes=2**30, available_bytes=2**30, address="h", pid=1)
+    gpu = NodeInfo(
+        name="n0",
+        backend="cuda",
+        device="cuda:1 NVIDIA H200",
+        started_at=now,
+        heartbeat_at=now,
+        **common,
+    )
+    cpu = NodeInfo(name="n1", backend="cpu", started_at=now, heartbeat_at=now, **common)
+    out = io.StringIO()
+    Console(file=out, width=200).print(nodes_table([gpu, cpu], {}))
+    rows = out.getvalue().splitlines()
+    assert any("n0" in row and "cuda:1 NVIDIA H200" in row for row in rows)
+    assert any("n1" in row and "cpu" in row for row in rows)
