@@ -16,7 +16,7 @@ from jobs.admit_plan import Cluster, Job, Place, Wait, plan_admission
 from jobs.errors import InvalidJobError, JobNotFoundError, RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import default_dtype, resolve_model
-from jobs.prefix_cache import PENDING_TTL_S, PrefixHint, worth_keeping
+from jobs.prefix_cache import PENDING_GRACE_S, PENDING_TTL_S, PrefixHint, worth_keeping
 from jobs.prefix_index import PendingPrefixes, model_key, read_hint
 from jobs.prompts import tokenize_and_check
 from jobs.recovery import Reconciler, fresh_nodes, retry_delay_s, track_group
@@ -119,10 +119,15 @@ class Dispatcher:
         return read_hint(self.conn, record.spec.model, tokens, record.id, self.ended)
 
     def ended(self, job_id: str) -> bool:
+        """Whether a job's in-flight marks are stale: it failed or was cancelled, or finished
+        more than PENDING_GRACE_S ago (its ranks clear them once its KV is kept)."""
         try:
-            return self.store.get(job_id).state.is_final
+            record = self.store.get(job_id)
         except JobNotFoundError:
             return True
+        if record.state != JobState.FINISHED:
+            return record.state.is_final
+        return time.time() - record.updated_at > PENDING_GRACE_S
 
     def stored_tokens(self, record: JobRecord) -> list[int] | None:
         """Tokens an earlier attempt stored for a job that waited for memory."""

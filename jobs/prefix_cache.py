@@ -73,6 +73,7 @@ BLOCK_TOKENS = 256
 KEEP_MIN_NEW_FRACTION = 0.25
 WAIT_MIN_FRACTION = 0.5  # of a prompt an in-flight prefill must stand for, for a job to wait
 PENDING_TTL_S = 3600.0  # an in-flight marker's safety expiry (one of an ended job is ignored)
+PENDING_GRACE_S = 60.0  # a finished job's marks still count this long (its KV is being kept)
 
 Layout = Literal["single", "ring", "pipeline"]
 

@@ -117,12 +117,15 @@ def run_job(
         )
     watchdog.kick("finishing")
     peaks = engine.gather_ints(mx.get_peak_memory())
+    if spec.keep_cache:  # a pinned cache is ready when its job is: --cache-from may follow at once
+        keep_after(prefix, engine, io.job_id, spec, tokens, prefill, start, automatic)
     if lead:
         result = job_result(spec, tokenizer, len(tokens), load_s, prefill, decoded, peaks)
         extra = {"prefill_started_at": prefill_started_at, "cached_tokens": reused,
                  "cache_source": describe_source(start)}  # fmt: skip
         io.finish(result.model_copy(update=extra))
-    keep_after(prefix, engine, io.job_id, spec, tokens, prefill, start, automatic)
+    if not spec.keep_cache:  # after the result: its KV is kept while the user reads it
+        keep_after(prefix, engine, io.job_id, spec, tokens, prefill, start, automatic)
     log.info("job %s rank %d: done", io.job_id, ctx.rank)
 
 
