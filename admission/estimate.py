@@ -16,11 +16,11 @@ ranks (bench/results/h200-service/README.md); ring and pipeline GPU cells need t
 from dataclasses import dataclass
 
 from admission.model_shape import ModelShape
+from admission.partition import PAST_TILE_TOKENS, split_layers
 from admission.vocabulary import KVLayout, Strategy
 
 PROCESS_OVERHEAD_BYTES = 256 * 1024**2  # interpreter, MLX runtime, tokenizer: outside MLX's count
 MARGIN = 1.05  # on the MLX peak: measured peaks vary by a few MiB between runs
-PAST_TILE_TOKENS = 4096  # ring_worker/ring_attention.py attends earlier chunks in tiles this long
 # Fitted on CPU (float32, OpenBLAS): live score-sized tensors per attention call.
 SDPA_SCORE_COPIES = 1.3  # mlx-lm's attention (single, pipeline): MLX's CPU SDPA materialises scores
 RING_SCORE_COPIES = 2.4  # ring partial attention: scores and their exp
@@ -147,8 +147,7 @@ def _rank_parameters(shape: ModelShape, layout: Layout, rank: int) -> tuple[int,
     head = 0 if shape.tied_embeddings else embedding
     if layout.strategy != "pipeline" or layout.size == 1:
         return shape.layers, shape.parameters, embedding
-    base, extra = divmod(shape.layers, layout.size)
-    layers = base + (1 if rank < extra else 0)
+    layers = len(split_layers(shape.layers, layout.size)[rank])
     per_layer = (shape.parameters - embedding - head - shape.hidden_size) / shape.layers
     first, last = rank == 0, rank == layout.size - 1
     embedding_here = embedding if first or (last and shape.tied_embeddings) else 0

@@ -1,0 +1,1 @@
+"""Benchmarks. Run each from the repository root as a module: `uv run python -m bench.NAME`."""

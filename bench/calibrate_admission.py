@@ -4,8 +4,8 @@ Runs every (model, prompt length, layout) of the grid as a real local group (the
 `ringq run`), prefill only, and prints predicted / measured for the busiest rank. The goal is a
 ratio in [1.00, 1.25] on every cell: never under (over-admission), not much over (waste).
 
-    uv run python bench/calibrate_admission.py --json-out bench/results/admission-calibration.json
-    uv run python bench/calibrate_admission.py --table bench/results/admission-calibration.json
+    uv run python -m bench.calibrate_admission --json-out bench/results/admission-calibration.json
+    uv run python -m bench.calibrate_admission --table bench/results/admission-calibration.json
 
 `--table` prints the table again from stored measurements with the current estimator (for fitting
 its constants without re-measuring).

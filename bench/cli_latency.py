@@ -1,7 +1,7 @@
 """CLI start-up latency: `ringq status`, `ringq submit` and `ringq --version` as whole processes,
 against the import floor of redis + click + pydantic.
 
-    uv run python bench/cli_latency.py [--runs 7]
+    uv run python -m bench.cli_latency [--runs 7]
 
 Starts a private Redis under a temporary RINGQ_HOME, submits one job (no dispatcher: it stays
 queued) and fills the model metadata cache once, then runs each command `--runs` times after a

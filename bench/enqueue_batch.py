@@ -7,7 +7,7 @@ metadata), parsing and validating every line, and enqueueing (batch record, job 
 jobs through pipelines). Redis is a fresh embedded server unless --redis-url is given (that
 database is not flushed; the batch gets a fresh id).
 
-    .venv/bin/python bench/enqueue_batch.py [--lines 10000] [--redis-url URL]
+    uv run python -m bench.enqueue_batch [--lines 10000] [--redis-url URL]
 """
 
 import json

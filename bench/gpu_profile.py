@@ -1,6 +1,6 @@
 """Where the time of a ring-2 prefill goes on CUDA (issue 7): a launcher and two rank processes.
 
-    RINGQ_BACKEND=cuda python3 bench/gpu_profile.py --model random:llama-3.1-8b \
+    RINGQ_BACKEND=cuda python3 -m bench.gpu_profile --model random:llama-3.1-8b \
         --pp 32768,131008 --chunks 16384,0 --out $OUT
 
 Each rank joins the group (NCCL on CUDA, MLX's ring backend elsewhere), then in order:
@@ -23,10 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ring_worker.group import free_loopback_ports  # noqa: E402
-from ring_worker.processes import rank_environment  # noqa: E402
+from ring_worker.group import free_loopback_ports
+from ring_worker.processes import rank_environment
 
 DECODE_TOKENS = 64
 LAUNCHED = "GPU_PROFILE_LAUNCHED_AT"
@@ -62,7 +60,7 @@ def main() -> int:
     launched = str(time.time())
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, *sys.argv[1:], "--rank", str(rank)]
+            [sys.executable, "-m", "bench.gpu_profile", *sys.argv[1:], "--rank", str(rank)]
             + ["--addresses", addresses],
             env={**rank_environment(local_rank=rank), "PYTHONUNBUFFERED": "1", LAUNCHED: launched},
         )
@@ -178,7 +176,7 @@ def profile_cold(rec: Recorder, model: Any, group: Any, pp: int, model_name: str
 
 
 def pieces_and_decode(rec: Recorder, engine: Any, pp: int, label: str) -> None:
-    from gpu_pieces import timed_pieces
+    from bench.gpu_pieces import timed_pieces
 
     for run in ("cold", "warm"):
         with timed_pieces() as pieces:
@@ -230,8 +228,7 @@ def profile_sdpa(rec: Recorder) -> None:
 
 
 def profile_ring(rec: Recorder, model: Any, group: Any, pps: list[int], chunks: list[int]):
-    from gpu_pieces import timed_pieces
-
+    from bench.gpu_pieces import timed_pieces
     from ring_worker.engine import RingEngine
 
     started = time.perf_counter()
@@ -257,8 +254,7 @@ def profile_ring(rec: Recorder, model: Any, group: Any, pps: list[int], chunks: 
 
 
 def profile_single(rec: Recorder, model: Any, pps: list[int], chunks: list[int]) -> None:
-    from gpu_pieces import timed_pieces
-
+    from bench.gpu_pieces import timed_pieces
     from ring_worker.engine import Engine
 
     engine = Engine(model)
@@ -317,8 +313,7 @@ def profile_single_vs_mlx_lm(rec: Recorder, model: Any, pp: int) -> None:
     """Whole-prompt prefill on one GPU. Rank 0: ringq's engine as is, piece by piece, and with
     the last layer's MLP on the last position only (mlx-lm's prefill evaluates the caches alone,
     which skips that MLP). Rank 1: mlx-lm, as is and piece by piece."""
-    from gpu_pieces import timed_pieces
-
+    from bench.gpu_pieces import timed_pieces
     from ring_worker.engine import Engine
 
     if rec.rank == 1:

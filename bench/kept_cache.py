@@ -2,7 +2,7 @@
 run on a local cluster: one prefill job keeps the document's cache, then each question is asked
 both ways.
 
-    uv run python bench/kept_cache.py --model smollm2 --questions 4
+    uv run python -m bench.kept_cache --model smollm2 --questions 4
 
 Writes bench/results/kept-cache.json.
 """
@@ -16,14 +16,12 @@ from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jobs.lifecycle import JobState  # noqa: E402
-from jobs.redis_server import connect  # noqa: E402
-from jobs.schemas import JobKind, JobRecord, JobSpec, Sharding  # noqa: E402
-from jobs.store import JobStore  # noqa: E402
-from jobs.submit import submit_job  # noqa: E402
-from tests.helpers import private_cluster  # noqa: E402
+from jobs.lifecycle import JobState
+from jobs.redis_server import connect
+from jobs.schemas import JobKind, JobRecord, JobSpec, Sharding
+from jobs.store import JobStore
+from jobs.submit import submit_job
+from tests.helpers import private_cluster
 
 OUT = Path(__file__).parent / "results" / "kept-cache.json"
 QUESTIONS = [
@@ -90,7 +88,7 @@ def main(model: str, questions: int, max_tokens: int) -> None:
     )  # greedy: the cache must not change the answer
     result: dict = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(["bench/kept_cache.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m bench.kept_cache", *sys.argv[1:]]),
         "kept_prefill_tokens": kept.result.prompt_tokens,
         "kept_prefill_s": kept.result.prefill_s,
         "median_prefill_s": {

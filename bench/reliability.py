@@ -1,9 +1,9 @@
 """Reliability trials against a real local cluster (Redis, dispatcher, 2 node agents), many more
 times than CI runs them; prints a summary and writes JSON (docs/reliability.md quotes it).
 
-    uv run python bench/reliability.py rank-kill --trials 20
-    uv run python bench/reliability.py redis-restart --jobs 100
-    uv run python bench/reliability.py soak --jobs 500
+    uv run python -m bench.reliability rank-kill --trials 20
+    uv run python -m bench.reliability redis-restart --jobs 100
+    uv run python -m bench.reliability soak --jobs 500
 
 rank-kill: a ring-2 prefill, kill -9 of a random rank after a random part of its prefill; a
 trial is correct when the job finishes exactly once, the lost group's ranks are gone within 30 s
@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import sys
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -23,16 +22,14 @@ from pathlib import Path
 import click
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cli.services import LocalCluster  # noqa: E402
-from jobs import keys  # noqa: E402
-from jobs.lifecycle import JobState  # noqa: E402
-from jobs.redis_server import connect, ensure_redis  # noqa: E402
-from jobs.schemas import JobKind, JobRecord, JobSpec  # noqa: E402
-from jobs.store import JobStore  # noqa: E402
-from jobs.submit import enqueue_jobs, new_job_id, submit_job  # noqa: E402
-from tests.helpers import (  # noqa: E402
+from cli.services import LocalCluster
+from jobs import keys
+from jobs.lifecycle import JobState
+from jobs.redis_server import connect, ensure_redis
+from jobs.schemas import JobKind, JobRecord, JobSpec
+from jobs.store import JobStore
+from jobs.submit import enqueue_jobs, new_job_id, submit_job
+from tests.helpers import (
     LONG_DOCUMENT,
     completions,
     private_cluster,

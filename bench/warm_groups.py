@@ -1,7 +1,7 @@
 """Warm groups vs a fresh group per job, side by side on one machine: N jobs one after another
 through a local cluster with RINGQ_GROUP_IDLE_S=60, then the same N with RINGQ_GROUP_IDLE_S=0.
 
-    uv run python bench/warm_groups.py --model smollm2 --jobs 20
+    uv run python -m bench.warm_groups --model smollm2 --jobs 20
 
 Per job: wait = prefill start - enqueue (the rank's clock minus the record's created_at; one
 machine, one clock), load_s from the result, end-to-end = final record update - enqueue.
@@ -16,14 +16,12 @@ from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jobs.lifecycle import JobState  # noqa: E402
-from jobs.redis_server import connect  # noqa: E402
-from jobs.schemas import JobKind, JobSpec, Sharding  # noqa: E402
-from jobs.store import JobStore  # noqa: E402
-from jobs.submit import submit_job  # noqa: E402
-from tests.helpers import private_cluster  # noqa: E402
+from jobs.lifecycle import JobState
+from jobs.redis_server import connect
+from jobs.schemas import JobKind, JobSpec, Sharding
+from jobs.store import JobStore
+from jobs.submit import submit_job
+from tests.helpers import private_cluster
 
 OUT = Path(__file__).parent / "results" / "warm-groups.json"
 DOCUMENT = "Warm groups keep a model loaded between jobs of the same shape. " * 20
@@ -87,7 +85,7 @@ def main(model: str, count: int, sharding: str) -> None:
     cold = run_jobs(model, count, 0.0, Sharding(sharding))
     result: dict = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(["bench/warm_groups.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m bench.warm_groups", *sys.argv[1:]]),
         "model": model,
         "sharding": sharding,
         # the first warm-run job loads its group: the rest are the warm ones

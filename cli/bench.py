@@ -38,9 +38,10 @@ from cli.bench_report import (
 from cli.common import echo_json, interrupt_on_sigterm
 from cli.options import chunk_tokens_option
 from jobs.errors import InvalidJobError, RingqError
-from jobs.model_catalog import ChatTokenizer, load_tokenizer, read_model_shape, resolve_model
+from jobs.model_catalog import read_model_shape, resolve_model
 from jobs.schemas import JobKind, JobResult, JobSpec, Sharding
 from jobs.settings import Settings, get_settings
+from jobs.tokenizer import ChatTokenizer, load_tokenizer
 from ring_worker.devices import node_backend
 from ring_worker.local_group import LocalRunError, run_local
 from ring_worker.processes import rank_environment, spawn_rank, wait_all

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from cli.common import interrupt_on_sigterm, redis_url_for
 from cli.render import print_result, result_json, watch
+from cli.supervisor import Supervisor
 from jobs.dispatcher import serve
 from jobs.errors import RingqError
 from jobs.redis_server import SERVICE_RIDE_OUT_S, RedisHandle, connect, ensure_redis
@@ -194,12 +195,15 @@ def up(node_count: int | None) -> None:
             f"Logs in {settings.home / 'logs'}. Ctrl-C stops."
         )
         console.print(f"[dim]other shells: export RINGQ_REDIS_URL={cluster.url}[/dim]")
+        supervisor = Supervisor(cluster, say=lambda text: console.print(f"ringq up: {text}"))
         try:
             while True:
-                cluster.check_children()
+                supervisor.tick()
                 time.sleep(0.5)
         except KeyboardInterrupt:
             console.print("stopping ...")
+        finally:
+            supervisor.close()
 
 
 @click.command()

@@ -12,6 +12,7 @@ from rich.table import Table
 from admission.placement import gib
 from cli.common import echo_json, redis_connection
 from cli.render import format_eta, nodes_table, placement_text
+from cli.supervisor import services_line
 from jobs.overview import Overview, QueueRow, RunningJob, take_overview
 
 
@@ -68,6 +69,7 @@ def render_overview(overview: Overview) -> Group:
         idle.add_row(g.group_id, g.model, g.strategy, ", ".join(g.nodes), gib(g.bytes_per_node))
     return Group(
         f"[bold]ringq top[/bold]  [dim]{stamp}[/dim]",
+        services_line(overview.services),
         queues_table(overview.queues),
         nodes,
         running,

@@ -3,45 +3,58 @@ flag in Redis that its ranks poll, and they stop together at the next chunk or d
 
 import json
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from string import Template
 
 import redis
 
 from jobs import keys
-from jobs.errors import IllegalTransitionError, JobNotFoundError
-from jobs.lifecycle import JobState
+from jobs.errors import IllegalTransitionError
+from jobs.lifecycle import FINAL_STATES, JobState
 from jobs.schemas import JobRecord, JobResult
 from jobs.store import JobStore
 
 NOT_STARTED = frozenset({JobState.QUEUED, JobState.ADMITTED})
 NOT_STARTED_REASON = "cancelled before it started"
-_NOT_STARTED_ORDER = (JobState.QUEUED, JobState.ADMITTED)  # as _CANCEL_MANY takes their indexes
+_NOT_STARTED_ORDER = tuple(sorted(NOT_STARTED))  # as _CANCEL_MANY takes their state indexes
 
-# KEYS: n job hashes, then their n cancel flags, then the queued, admitted and cancelled state
-# indexes. ARGV: now, flag ttl, reason (JSON). What cancel_job does, for many jobs in one round
-# trip: the flag, and a not-started job cancelled (moved between state indexes like a transition).
-_CANCEL_MANY = """
+
+def _lua_state(state: JobState) -> str:
+    """A Lua string literal of `state` as the job hash stores it (JSON)."""
+    return f"'{json.dumps(state.value)}'"
+
+
+def _lua_state_table(states: Iterable[JobState], value: str = "true") -> str:
+    """A Lua table whose keys are `states` as stored; `value` may name the 1-based position."""
+    pairs = (f"[{_lua_state(s)}] = {value.format(i)}" for i, s in enumerate(states, 1))
+    return "{" + ", ".join(pairs) + "}"
+
+
+# KEYS: n job hashes, then their n cancel flags, then the state indexes of the not-started states
+# (_NOT_STARTED_ORDER) and of cancelled jobs. ARGV: now, flag ttl, reason (JSON), the n job ids.
+# What cancel_job does, for many jobs in one round trip: the flag, and a not-started job
+# cancelled (moved between state indexes like a transition). The state names come from JobState.
+_CANCEL_MANY = Template("""
 local now, ttl, reason = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local n = (#KEYS - 3) / 2
-local queued_index, admitted_index = KEYS[2 * n + 1], KEYS[2 * n + 2]
-local cancelled_index = KEYS[2 * n + 3]
+local final_states, not_started_index = $final_states, $not_started_index
+local n = (#KEYS - $index_keys) / 2
+local cancelled_index = KEYS[#KEYS]
 local cancelled, stopping, final = 0, 0, 0
 for i = 1, n do
   local job, flag = KEYS[i], KEYS[n + i]
   local state = redis.call('HGET', job, 'state')
-  if not state or state == '"finished"' or state == '"failed"' or state == '"cancelled"' then
+  if not state or final_states[state] then
     final = final + 1
   else
     redis.call('SET', flag, now, 'EX', ttl)
-    if state == '"queued"' or state == '"admitted"' then
+    if not_started_index[state] then
       local progress = cjson.decode(redis.call('HGET', job, 'progress'))
-      progress['phase'] = 'cancelled'
+      progress['phase'] = '$cancelled'
       progress['updated_at'] = tonumber(now)
-      redis.call('HSET', job, 'state', '"cancelled"', 'error', reason, 'updated_at', now,
+      redis.call('HSET', job, 'state', $cancelled_stored, 'error', reason, 'updated_at', now,
                  'progress', cjson.encode(progress))
       local id = ARGV[3 + i]
-      redis.call('ZREM', state == '"queued"' and queued_index or admitted_index, id)
+      redis.call('ZREM', KEYS[2 * n + not_started_index[state]], id)
       redis.call('ZADD', cancelled_index, tonumber(redis.call('HGET', job, 'created_at')), id)
       cancelled = cancelled + 1
     else
@@ -50,7 +63,13 @@ for i = 1, n do
   end
 end
 return {cancelled, stopping, final}
-"""
+""").substitute(
+    final_states=_lua_state_table(sorted(FINAL_STATES)),
+    not_started_index=_lua_state_table(_NOT_STARTED_ORDER, "{}"),
+    index_keys=len(_NOT_STARTED_ORDER) + 1,
+    cancelled=JobState.CANCELLED.value,
+    cancelled_stored=_lua_state(JobState.CANCELLED),
+)
 
 
 def cancel_job(conn: redis.Redis, job_id: str) -> JobRecord:
@@ -80,16 +99,7 @@ def mark_cancelled(
 ) -> bool:
     """Move a job to `cancelled` unless it is already final, keeping what it had generated
     (`partial`) as its result. Returns whether this call did."""
-    try:
-        record = store.get(job_id)
-        progress = record.progress.model_copy(
-            update={"phase": JobState.CANCELLED, "updated_at": time.time()}
-        )
-        fields: dict[str, Any] = {} if partial is None else {"result": partial}
-        store.transition(job_id, JobState.CANCELLED, error=reason, progress=progress, **fields)
-        return True
-    except (IllegalTransitionError, JobNotFoundError):
-        return False
+    return store.end(job_id, JobState.CANCELLED, reason, partial=partial)
 
 
 def cancel_many(

@@ -42,7 +42,19 @@ def ports(address: str) -> str:
 
 
 def group_failed(group_id: str) -> str:
-    return f"{PREFIX}:group:{group_id}:failed"  # reason; agents kill the group's ranks when set
+    return f"{PREFIX}:group:{group_id}:failed"  # JSON GroupFailure; agents then kill its ranks
+
+
+def group_idle(group_id: str) -> str:
+    return f"{PREFIX}:group:{group_id}:idle"  # exists while a warm group's rank 0 waits for a job
+
+
+def group_next(group_id: str, rank: int) -> str:
+    return f"{PREFIX}:group:{group_id}:next:{rank}"  # list: job ids for a warm group's rank
+
+
+def group_batch(group_id: str) -> str:
+    return f"{PREFIX}:group:{group_id}:batch"  # set: job ids a warm group runs now (its batch)
 
 
 def node_reserved(name: str) -> str:
@@ -57,8 +69,9 @@ def admit_retries(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:admit-retries"  # counter: RQ ids of re-enqueued admissions
 
 
-GROUPS_INDEX = f"{PREFIX}:groups"  # hash: group id -> JSON {group, admitted_at} while it runs
-WARM_GROUPS = f"{PREFIX}:warm"  # hash: group id -> JSON {group, bytes_per_node} of warm groups
+GROUPS_INDEX = f"{PREFIX}:groups"  # hash: group id -> JSON TrackedGroup while it runs
+WARM_GROUPS = f"{PREFIX}:warm"  # hash: group id -> JSON WarmGroup while it may take jobs
+SERVICES = f"{PREFIX}:services"  # hash: service label -> JSON ServiceStatus (`ringq up` writes)
 
 
 def gpu_owner(host: str, gpu: str) -> str:

@@ -132,7 +132,8 @@ def _packaged_file(name: str) -> Path:
 
 
 def _read_model(name: str) -> ModelInfo:
-    from jobs.model_catalog import max_token_bytes, read_model_shape, resolve_model
+    from jobs.model_catalog import read_model_shape, resolve_model
+    from jobs.tokenizer import max_token_bytes
 
     source = resolve_model(name)
     try:

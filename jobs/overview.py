@@ -16,7 +16,8 @@ from jobs import keys
 from jobs.lifecycle import JobState
 from jobs.listing import JobSummary, ensure_state_indexes, eta_s, summaries
 from jobs.reservations import Reservations
-from jobs.schemas import JobKind, NodeInfo, Placement, Progress
+from jobs.schemas import JobKind, NodeInfo, Placement, Progress, WarmGroup
+from jobs.service_status import ServiceStatus, read_service_statuses
 from jobs.store import JobStore
 from jobs.submit import admit_queue, node_queue
 from jobs.warm_groups import WarmGroups
@@ -67,6 +68,7 @@ class Overview(_Row):
     idle_groups: list[IdleGroup] = []
     queued: list[JobSummary] = []  # oldest first (the next to be placed), waiting_reason each
     queued_total: int = 0  # all queued jobs; `queued` holds the first QUEUED_SHOWN
+    services: list[ServiceStatus] = []  # what `ringq up` supervises: state, restarts
 
 
 QUEUED_SHOWN = 50
@@ -84,16 +86,19 @@ def take_overview(conn: redis.Redis) -> Overview:
         running=running_jobs(conn),
         queued=oldest_queued(conn, QUEUED_SHOWN),
         queued_total=int(conn.zcard(keys.jobs_in_state(JobState.QUEUED))),
-        idle_groups=[
-            IdleGroup(
-                group_id=g.group_id,
-                model=g.model,
-                strategy=g.strategy,
-                nodes=g.nodes,
-                bytes_per_node=held,
-            )
-            for g, held in WarmGroups(conn).idle()
-        ],
+        idle_groups=[idle_group(warm) for warm in WarmGroups(conn).idle_groups()],
+        services=read_service_statuses(conn),
+    )
+
+
+def idle_group(warm: WarmGroup) -> IdleGroup:
+    group = warm.group
+    return IdleGroup(
+        group_id=group.group_id,
+        model=group.model,
+        strategy=group.strategy,
+        nodes=group.nodes,
+        bytes_per_node=warm.bytes_per_node,
     )
 
 

@@ -1,9 +1,10 @@
 """A job's prompt tokens, and the check that they fit its model's context."""
 
 from admission.model_shape import ModelShape
-from jobs.model_catalog import load_tokenizer, read_model_shape, resolve_model
+from jobs.model_catalog import read_model_shape, resolve_model
 from jobs.model_info import check_context
 from jobs.schemas import JobKind, JobSpec
+from jobs.tokenizer import load_tokenizer
 
 CPU_COMPUTE_DTYPE = "float32"  # admission plans in float32; GPU nodes scale it to their dtype
 

@@ -11,20 +11,27 @@ dispatcher) finds the rest: groups on nodes that stopped heartbeating, groups wh
 renews (ranks never started, agents died), and admissions a crashed dispatcher left behind.
 """
 
-import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import redis
+from pydantic import ValidationError
 from rq import Queue
 from rq.registry import StartedJobRegistry
 
 from jobs import keys
 from jobs.errors import IllegalTransitionError, JobNotFoundError, StaleGroupError
 from jobs.lifecycle import JobState
-from jobs.schemas import GroupSpec, JobRecord, NodeInfo, Progress
+from jobs.schemas import (
+    GroupFailure,
+    GroupSpec,
+    JobRecord,
+    NodeInfo,
+    Progress,
+    TrackedGroup,
+    WarmGroup,
+)
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import admit_data, admit_queue
@@ -35,15 +42,9 @@ RECONCILE_INTERVAL_S = 1.0
 STUCK_DEQUEUED_S = 5.0  # a live dispatcher starts what it dequeued within microseconds
 
 
-@dataclass(frozen=True)
-class GroupFailure:
-    reason: str
-    retry: bool  # False for errors a new placement cannot fix (an unusable model, a bad job)
-
-
 def report_group_failure(conn: redis.Redis, group_id: str, reason: str, retry: bool) -> None:
     """Record why a group failed (the first report wins); node agents then stop its ranks."""
-    value = json.dumps({"reason": reason, "retry": retry})
+    value = GroupFailure(reason=reason, retry=retry).model_dump_json()
     conn.set(keys.group_failed(group_id), value, nx=True, ex=GROUP_FAILED_TTL_S)
 
 
@@ -52,10 +53,11 @@ def group_failure(conn: redis.Redis, group_id: str) -> GroupFailure | None:
     if raw is None:
         return None
     try:
-        data = json.loads(raw)
-        return GroupFailure(str(data["reason"]), bool(data["retry"]))
-    except (ValueError, KeyError, TypeError):
-        return GroupFailure(f"group {group_id} failed (unreadable failure record)", False)
+        return GroupFailure.model_validate_json(raw)
+    except ValidationError:
+        return GroupFailure(
+            reason=f"group {group_id} failed (unreadable failure record)", retry=False
+        )
 
 
 def lose_group(
@@ -70,7 +72,7 @@ def lose_group(
     it once retries are spent. The first recorded failure's reason is used. Returns "retried",
     "failed", or None when the job had already moved on (ended, or retried by another caller)."""
     report_group_failure(conn, group_id, reason, retry)
-    failure = group_failure(conn, group_id) or GroupFailure(reason, retry)
+    failure = group_failure(conn, group_id) or GroupFailure(reason=reason, retry=retry)
     conn.hdel(keys.GROUPS_INDEX, group_id)
     store = JobStore(conn, settings.job_ttl_s)
     try:
@@ -79,13 +81,8 @@ def lose_group(
             requeue(conn, store, record, group_id, failure.reason)
             log.warning("job %s: group %s lost, retrying: %s", job_id, group_id, failure.reason)
             return "retried"
-        store.transition(
-            job_id,
-            JobState.FAILED,
-            group_id=group_id,
-            error=final_reason(record, failure),
-            progress=record.progress.model_copy(update={"phase": JobState.FAILED}),
-        )
+        if not store.end(job_id, JobState.FAILED, final_reason(record, failure), group_id=group_id):
+            return None
         log.warning("job %s failed: %s", job_id, failure.reason)
         return "failed"
     except (StaleGroupError, IllegalTransitionError, JobNotFoundError):
@@ -136,14 +133,29 @@ def fresh_nodes(nodes: list[NodeInfo], settings: Settings) -> list[NodeInfo]:
 
 def track_group(conn: redis.Redis, group: GroupSpec) -> None:
     """Watch a group from admission on (the reconciler drops it once its job moves on)."""
-    entry = {"group": group.model_dump(mode="json"), "admitted_at": time.time()}
-    conn.hset(keys.GROUPS_INDEX, group.group_id, json.dumps(entry))
+    entry = TrackedGroup(group=group, admitted_at=time.time())
+    conn.hset(keys.GROUPS_INDEX, group.group_id, entry.model_dump_json())
+
+
+_FORGET_IF_UNCHANGED = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
+def forget_group(conn: redis.Redis, group_id: str, seen: bytes | str) -> bool:
+    """Stop watching a group whose job moved on, unless its entry changed since it was read
+    as `seen`: a warm group handed its next job meanwhile is tracked again for that job (the
+    chaos soak found a job stuck for good after the entry for its job was dropped this way)."""
+    return bool(conn.eval(_FORGET_IF_UNCHANGED, 1, keys.GROUPS_INDEX, group_id, seen))
 
 
 def current_job(conn: redis.Redis, group_id: str, default: str) -> str:
     """The job a group runs now: a warm group runs one job after another."""
     raw = conn.hget(keys.GROUPS_INDEX, group_id)
-    return str(json.loads(raw)["group"]["job_id"]) if raw else default
+    return TrackedGroup.model_validate_json(raw).group.job_id if raw else default
 
 
 def has_live_lease(conn: redis.Redis, group: GroupSpec) -> bool:
@@ -154,7 +166,7 @@ def has_live_lease(conn: redis.Redis, group: GroupSpec) -> bool:
 
 def forget_dead_warm_groups(conn: redis.Redis) -> None:
     for raw_id, raw in conn.hgetall(keys.WARM_GROUPS).items():
-        group = GroupSpec.model_validate(json.loads(raw)["group"])
+        group = WarmGroup.model_validate_json(raw).group
         if conn.exists(keys.group_failed(group.group_id)) or not has_live_lease(conn, group):
             conn.hdel(keys.WARM_GROUPS, raw_id)
 
@@ -189,21 +201,21 @@ def reconcile(conn: redis.Redis, settings: Settings) -> list[str]:
     lost = []
     for raw_id, raw in conn.hgetall(keys.GROUPS_INDEX).items():
         group_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
-        entry = json.loads(raw)
-        group = GroupSpec.model_validate(entry["group"])
+        entry = TrackedGroup.model_validate_json(raw)
+        group = entry.group
         try:
             record = store.get(group.job_id)
         except JobNotFoundError:
-            conn.hdel(keys.GROUPS_INDEX, group_id)
+            forget_group(conn, group_id, raw)
             continue
         if (
             record.state.is_final
             or record.placement is None
             or (record.placement.group_id != group_id)
         ):
-            conn.hdel(keys.GROUPS_INDEX, group_id)
+            forget_group(conn, group_id, raw)
             continue
-        reason = why_lost(conn, settings, group, live, entry["admitted_at"])
+        reason = why_lost(conn, settings, group, live, entry.admitted_at)
         if reason is not None:
             lose_group(conn, settings, group.job_id, group_id, reason)
             lost.append(group_id)

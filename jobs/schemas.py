@@ -221,3 +221,24 @@ def check_job_id(job_id: str) -> str:
             "starting with a letter or digit"
         )
     return job_id
+
+
+class TrackedGroup(_Message):
+    """A running group in keys.GROUPS_INDEX, from admission on (jobs/recovery.py watches it)."""
+
+    group: GroupSpec
+    admitted_at: float  # unix s: the reconciler gives its ranks a lease's time to start
+
+
+class WarmGroup(_Message):
+    """A loaded group in keys.WARM_GROUPS that may take the next job (jobs/warm_groups.py)."""
+
+    group: GroupSpec
+    bytes_per_node: int  # what it holds reserved on each of its nodes
+
+
+class GroupFailure(_Message):
+    """Why a group failed, at keys.group_failed: the first report wins."""
+
+    reason: str
+    retry: bool  # False for errors a new placement cannot fix (an unusable model, a bad job)

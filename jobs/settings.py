@@ -91,6 +91,17 @@ class Settings(BaseSettings):
         description="A group whose job finished stays loaded this long for the next job of the "
         "same model and layout (0: every job starts and loads a group of its own).",
     )
+    checkpoint_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Each rank saves its prefill KV every this many prompt tokens (at a chunk "
+        "boundary) under RINGQ_HOME/checkpoints, so a retried job continues from there; 0: off.",
+    )
+    checkpoint_budget_bytes: int = Field(
+        default=16 * 1024**3,
+        gt=0,
+        description="Disk that prefill checkpoints may take on a node; past it they are skipped.",
+    )
     backend: Literal["auto", "cpu", "cuda", "metal"] = Field(
         default="auto",
         description="What a node computes on: auto = metal on macOS, cuda where NVIDIA GPUs are "

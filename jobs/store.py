@@ -16,10 +16,11 @@ from jobs.errors import (
     StaleGroupError,
 )
 from jobs.lifecycle import JobState, can_transition
-from jobs.schemas import JobRecord, JobSpec, NodeInfo, Progress
+from jobs.schemas import JobRecord, JobResult, JobSpec, NodeInfo, Progress
 from jobs.settings import get_settings
 
 SUMMARY_FIELD = "summary"  # small spec fields for listings (summary_fields), not a JobRecord field
+UNFINISHED_ENDS = frozenset({JobState.FAILED, JobState.CANCELLED})  # final, but not finished
 
 
 class JobStore:
@@ -30,12 +31,23 @@ class JobStore:
         self.job_ttl_s = job_ttl_s if job_ttl_s is not None else get_settings().job_ttl_s
 
     def create(self, job_id: str, spec: JobSpec) -> JobRecord:
-        if not self.conn.hsetnx(keys.job(job_id), "id", json.dumps(job_id)):
-            raise InvalidJobError(f"a job with id {job_id!r} already exists; choose another --id")
+        """One transaction (WATCH the key, check it is free, MULTI/EXEC the writes): either the
+        whole record is written or none of it (a refused write aborts them all)."""
+        key = keys.job(job_id)
         with self.conn.pipeline() as pipe:
-            [record] = self.create_in(pipe, [(job_id, spec)], time.time())
-            pipe.execute()
-        return record
+            while True:
+                try:
+                    pipe.watch(key)
+                    if pipe.exists(key):
+                        raise InvalidJobError(
+                            f"a job with id {job_id!r} already exists; choose another --id"
+                        )
+                    pipe.multi()
+                    [record] = self.create_in(pipe, [(job_id, spec)], time.time())
+                    pipe.execute()
+                    return record
+                except redis.WatchError:
+                    continue
 
     def create_in(
         self, pipe: redis.client.Pipeline, jobs: Sequence[tuple[str, JobSpec]], now: float
@@ -105,16 +117,33 @@ class JobStore:
                     continue
         return self.get(job_id)
 
-    def fail(self, job_id: str, reason: str) -> bool:
-        """Fail a job unless it is already final. Returns whether this call failed it."""
+    def end(
+        self,
+        job_id: str,
+        state: JobState,
+        reason: str,
+        *,
+        group_id: str | None = None,
+        partial: JobResult | None = None,
+    ) -> bool:
+        """Fail or cancel a job (`state`), `reason` its error and `partial` what it had produced,
+        unless it is already final (or, with `group_id`, no longer placed on that group).
+        Returns whether this call ended it."""
+        if state not in UNFINISHED_ENDS:
+            raise ValueError(f"end() fails or cancels a job, not {state}")
+        fields: dict[str, Any] = {} if partial is None else {"result": partial}
         try:
-            record = self.get(job_id)
+            progress = _phase(self.get(job_id), state)
             self.transition(
-                job_id, JobState.FAILED, error=reason, progress=_phase(record, JobState.FAILED)
+                job_id, state, group_id=group_id, error=reason, progress=progress, **fields
             )
             return True
-        except (IllegalTransitionError, JobNotFoundError):
+        except (IllegalTransitionError, JobNotFoundError, StaleGroupError):
             return False
+
+    def fail(self, job_id: str, reason: str) -> bool:
+        """Fail a job unless it is already final. Returns whether this call failed it."""
+        return self.end(job_id, JobState.FAILED, reason)
 
     def set_waiting(self, job_id: str, reason: str) -> None:
         self.conn.hset(keys.job(job_id), "waiting_reason", json.dumps(reason))

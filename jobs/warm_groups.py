@@ -1,17 +1,21 @@
 """Warm groups: a group whose job finished stays loaded for RINGQ_GROUP_IDLE_S, and the next job
 for the same model and layout runs on it: no processes to start, no weights to load.
 
-In Redis, `ringq:warm` maps a group id to the group (JSON) while it may take jobs. Its rank 0
-keeps `group:{id}:idle` alive (a short TTL) exactly while it waits. Every rank blocks on its own
-list `group:{id}:next:{rank}` (in Redis, not in a collective: MLX's ring backend spins a core
+In Redis, keys.WARM_GROUPS maps a group id to a WarmGroup while it may take jobs. Its rank 0
+keeps keys.group_idle alive (a short TTL) exactly while it waits. Every rank blocks on its own
+list keys.group_next (in Redis, not in a collective: MLX's ring backend spins a core
 while it waits). The dispatcher claims an idle group by deleting the idle key and pushing the job
 id to every rank's list in one script; rank 0 retires the group the same way, so a group never
 gets a job after it retired, nor two at once, and every rank sees the same words in the same
 order. An empty word asks the group to retire (idle too long, or its memory is wanted by a job
 of another shape).
+
+Batching (RINGQ_MAX_BATCH > 1): a busy group that was offered takes more jobs of its model and
+layout: `join` pushes the job id the same way while `group:{id}:batch` (the jobs it runs now)
+holds fewer than the limit, and never to an idle or retired group. Its ranks take such words
+between decode steps (`joined`), so a job joins the batch at the next step.
 """
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -19,18 +23,29 @@ from collections.abc import Callable, Iterable
 import redis
 
 from jobs import keys
-from jobs.schemas import GroupSpec
+from jobs.schemas import GroupSpec, WarmGroup
 
 log = logging.getLogger(__name__)
 IDLE_KEY_TTL_S = 5
 RANK_GRACE_S = 30.0  # ranks other than 0 wait this much longer than the idle time
 RETIRE = ""  # pushed instead of a job id: retire now
+JOIN_TAKE_MAX = 64  # jobs a busy group takes between two decode steps, at most
 
 # KEYS: idle, then each rank's list. ARGV: word. Claims the group if it is idle.
 _CLAIM = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('DEL', KEYS[1])
 for i = 2, #KEYS do redis.call('RPUSH', KEYS[i], ARGV[1]) end
+return 1
+"""
+# KEYS: idle, warm index, batch set, then each rank's list. ARGV: group id, job id, max batch.
+# A busy group (offered, not idle, not retired) takes one more job while its batch has room.
+_JOIN = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return 0 end
+if redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('SADD', KEYS[3], ARGV[2])
+for i = 4, #KEYS do redis.call('RPUSH', KEYS[i], ARGV[2]) end
 return 1
 """
 # KEYS: idle, rank 0's list. ARGV: ttl. Rank 0 waiting: stay claimable, unless a word is pending.
@@ -50,16 +65,12 @@ return false
 """
 
 
-def idle_key(group_id: str) -> str:
-    return f"{keys.PREFIX}:group:{group_id}:idle"
-
-
-def next_key(group_id: str, rank: int) -> str:
-    return f"{keys.PREFIX}:group:{group_id}:next:{rank}"
+# The keys live in jobs/keys.py; these names stay for callers of main's warm_groups.
+idle_key, next_key, batch_key = keys.group_idle, keys.group_next, keys.group_batch
 
 
 def next_keys(group: GroupSpec) -> list[str]:
-    return [next_key(group.group_id, rank) for rank in range(len(group.nodes))]
+    return [keys.group_next(group.group_id, rank) for rank in range(len(group.nodes))]
 
 
 class WarmGroups:
@@ -68,23 +79,35 @@ class WarmGroups:
         self._claim = conn.register_script(_CLAIM)
         self._refresh = conn.register_script(_REFRESH)
         self._retire = conn.register_script(_RETIRE)
+        self._join = conn.register_script(_JOIN)
 
     # -- the dispatcher's side
 
     def idle(self) -> list[tuple[GroupSpec, int]]:
         """Groups waiting for a job now, with the bytes each holds per node."""
-        entries = self.conn.hgetall(keys.WARM_GROUPS)
-        found = []
-        for raw in entries.values():
-            entry = json.loads(raw)
-            group = GroupSpec.model_validate(entry["group"])
-            if self.conn.exists(idle_key(group.group_id)):
-                found.append((group, int(entry["bytes_per_node"])))
-        return found
+        return [(warm.group, warm.bytes_per_node) for warm in self.idle_groups()]
+
+    def idle_groups(self) -> list[WarmGroup]:
+        """The warm groups waiting for a job now."""
+        entries = [
+            WarmGroup.model_validate_json(raw)
+            for raw in self.conn.hgetall(keys.WARM_GROUPS).values()
+        ]
+        return [w for w in entries if self.conn.exists(keys.group_idle(w.group.group_id))]
 
     def claim(self, group: GroupSpec, job_id: str) -> bool:
-        keys_ = [idle_key(group.group_id), *next_keys(group)]
+        keys_ = [keys.group_idle(group.group_id), *next_keys(group)]
         return bool(self._claim(keys=keys_, args=[job_id]))
+
+    def join(self, group: GroupSpec, job_id: str, max_batch: int) -> bool:
+        """Hand a job to a busy group whose batch holds fewer than `max_batch` jobs; it joins
+        at the group's next decode step. False: idle (claim it instead), full, or retired."""
+        keys_ = [idle_key(group.group_id), keys.WARM_GROUPS, batch_key(group.group_id)]
+        args: list[str | int] = [group.group_id, job_id, max_batch]
+        return bool(self._join(keys=[*keys_, *next_keys(group)], args=args))
+
+    def batch(self, group_id: str) -> list[str]:
+        return sorted(_text(m) for m in self.conn.smembers(batch_key(group_id)))
 
     def evict(self, groups: Iterable[GroupSpec]) -> list[str]:
         """Ask idle groups to retire now (their memory is wanted); returns those asked."""
@@ -93,8 +116,34 @@ class WarmGroups:
     # -- rank 0's side
 
     def offer(self, group: GroupSpec, bytes_per_node: int) -> None:
-        entry = {"group": group.model_dump(mode="json"), "bytes_per_node": bytes_per_node}
-        self.conn.hset(keys.WARM_GROUPS, group.group_id, json.dumps(entry))
+        entry = WarmGroup(group=group, bytes_per_node=bytes_per_node)
+        self.conn.hset(keys.WARM_GROUPS, group.group_id, entry.model_dump_json())
+
+    def started(self, group: GroupSpec, job_id: str) -> None:
+        """Rank 0, as a job starts: it is in the group's batch."""
+        self.conn.sadd(batch_key(group.group_id), job_id)
+
+    def ended(self, group: GroupSpec, job_id: str) -> None:
+        """Rank 0, as a job leaves the batch (finished, cancelled or failed)."""
+        self.conn.srem(batch_key(group.group_id), job_id)
+
+    def joined(self, group: GroupSpec, rank: int, agree: Callable[[int], int]) -> list[str]:
+        """Between decode steps, every rank: the jobs handed to the group since, the same on
+        every rank. Rank 0 takes what its list holds; `agree` (a collective: rank 0's count to
+        every rank) tells the others how many words to take from theirs (already pushed there,
+        in the same order, by the same script)."""
+        own = next_key(group.group_id, rank)
+        words: list[bytes | str] = []
+        if rank == 0:
+            popped_now = self.conn.lpop(own, JOIN_TAKE_MAX) or []
+            words = list(popped_now) if isinstance(popped_now, list) else [popped_now]
+        count = agree(len(words))
+        while len(words) < count:
+            popped = self.conn.blpop([own], timeout=RANK_GRACE_S)
+            if popped is None:
+                raise RuntimeError(f"group {group.group_id} rank {rank}: a joining job is missing")
+            words.append(popped[1])
+        return [_text(w) for w in words]
 
     def wait_for_job(
         self, group: GroupSpec, rank: int, idle_s: float, kick: Callable[[], None] = lambda: None
@@ -102,18 +151,18 @@ class WarmGroups:
         """A rank after a job: the next job id the dispatcher gives its group, or None once the
         group retires (rank 0 retires it after `idle_s` without a job; the other ranks wait
         for rank 0's word, a little longer in case rank 0 died)."""
-        own = next_key(group.group_id, rank)
+        own, idle = keys.group_next(group.group_id, rank), keys.group_idle(group.group_id)
         give_up = time.monotonic() + idle_s + (0 if rank == 0 else RANK_GRACE_S)
         while True:
             if rank == 0:
-                self._refresh(keys=[idle_key(group.group_id), own], args=[IDLE_KEY_TTL_S])
+                self._refresh(keys=[idle, own], args=[IDLE_KEY_TTL_S])
             popped = self.conn.blpop([own], timeout=1)
             kick()
             word: bytes | str | None = popped[1] if popped is not None else None
             if word is None and time.monotonic() >= give_up:
                 if rank != 0:
                     return None
-                keys_ = [idle_key(group.group_id), keys.WARM_GROUPS, *next_keys(group)]
+                keys_ = [idle, keys.WARM_GROUPS, *next_keys(group)]
                 word = self._retire(keys=keys_, args=[group.group_id])
                 if word is None:
                     return None
@@ -124,3 +173,7 @@ class WarmGroups:
                         self.conn.hdel(keys.WARM_GROUPS, group.group_id)
                     return None
                 return job_id
+
+
+def _text(word: bytes | str) -> str:
+    return word.decode() if isinstance(word, bytes) else word

@@ -5,8 +5,8 @@ every rank decodes the same text and stops at the same step without another coll
 
 from collections.abc import Callable, Sequence
 
-from jobs.model_catalog import ChatTokenizer
 from jobs.schemas import JobResult
+from jobs.tokenizer import ChatTokenizer
 
 TOKENS_PER_STOP_CHAR = 4  # a window this many tokens per stop character surely holds the match
 

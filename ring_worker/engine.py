@@ -9,6 +9,7 @@ The loops (chunking, progress, agreeing on a stop, sampling) live here once; a s
 one prefill step and one decode step run, and which rank holds the last position.
 """
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from ring_worker.checkpoint import Checkpointer, Resume
 from ring_worker.ring_attention import (
     ChunkSplit,
     Exchange,
@@ -100,42 +102,77 @@ class Engine:
         on_progress: ProgressFn | None = None,
         should_stop: StopFn | None = None,
         cache: list[Any] | None = None,
+        checkpoints: Checkpointer | None = None,
+        resume: Resume | None = None,
     ) -> PrefillResult:
         """Chunked prefill. Progress goes (0, total), then once per chunk up to (total, total) on
         every rank, for every strategy. `should_stop`, if given, must be given on every rank: the
         ranks agree on it (one tiny collective) after every step and raise Cancelled together.
         `cache`: this rank's KV cache of earlier tokens that `tokens` continue, in this engine's
         layout (ring_worker/kv_reshard.py builds one from a kept prefix); every rank passes one
-        or none."""
+        or none. `checkpoints`: save this rank's caches at chunk boundaries as it asks; `resume`:
+        continue from such a checkpoint of the same prompt, chunk size and layout (single and
+        ring; its result then names no added positions, so prefix reuse keeps nothing of it)."""
         if not tokens:
             raise ValueError("cannot prefill an empty prompt")
         started = time.perf_counter()
         total = len(tokens)
         chunks = [tokens[s : s + chunk_tokens] for s in range(0, total, chunk_tokens)]
         ends = [min((i + 1) * chunk_tokens, total) for i in range(len(chunks))]
+        first = self._resume_chunk(resume, chunk_tokens, total)
+        if resume is not None:
+            cache = resume.cache
         cache = make_prompt_cache(self.model) if cache is None else cache
-        start = self._begin_prefill(cache)
+        start = self._start_position(cache)
         if on_progress:
-            on_progress("prefill", 0, total)
+            on_progress("prefill", ends[first - 1] if first else 0, total)
         hidden = None
-        for step in self._prefill_steps(chunks, cache):
+        for step in self._prefill_steps(chunks[first:], cache):
+            if step.chunk is not None:
+                step = Step(step.chunk + first, step.last_hidden)
             if step.last_hidden is not None:
                 hidden = step.last_hidden
             if step.chunk is not None and on_progress:
                 on_progress("prefill", ends[step.chunk], total)
+            if checkpoints and step.chunk is not None and step.chunk < len(chunks) - 1:
+                self._checkpoint(checkpoints, cache, ends[step.chunk])
             if should_stop is not None and self._agree_flags([0, int(should_stop())])[1]:
                 done = ends[step.chunk] if step.chunk is not None else 0
                 raise Cancelled(f"stopped after {done} of {total} prompt tokens")
         logits = self._share_last_logits(hidden)
-        ranges = tuple(self._added_ranges(start, total))
+        ranges = tuple(self._added_ranges(start, total)) if resume is None else ()
         return PrefillResult(logits, cache, total, time.perf_counter() - started, ranges)
 
-    def _begin_prefill(self, cache: list[Any]) -> int:
+    def _start_position(self, cache: list[Any]) -> int:
         """Position of the prompt's first token: the tokens the cache already stands for."""
         return cache[0].offset if cache else 0
 
     def _added_ranges(self, start: int, total: int) -> list[tuple[int, int]]:
         return [(start, start + total)]
+
+    def _resume_chunk(self, resume: Resume | None, chunk_tokens: int, total: int) -> int:
+        """The first chunk still to run: 0, or the one after a checkpoint's last."""
+        if resume is None:
+            self._begin_prefill({})
+            return 0
+        if resume.tokens % chunk_tokens or not 0 < resume.tokens < total:
+            raise ValueError(
+                f"a checkpoint after {resume.tokens} tokens does not fall on a chunk boundary "
+                f"({chunk_tokens} tokens) of this {total}-token prompt"
+            )
+        self._begin_prefill(resume.state)
+        return resume.tokens // chunk_tokens
+
+    def _checkpoint(self, checkpoints: Checkpointer, cache: list[Any], done: int) -> None:
+        if checkpoints.due(done):
+            checkpoints.save(cache, done, self._prefill_state())
+
+    def _begin_prefill(self, state: dict[str, str]) -> None:
+        """Set up a strategy's per-prompt state: fresh, or as a checkpoint saved it."""
+
+    def _prefill_state(self) -> dict[str, str]:
+        """What a checkpoint must keep besides the caches to continue this strategy's prefill."""
+        return {}
 
     def _prefill_steps(self, chunks: list[list[int]], cache: list[Any]) -> Iterator[Step]:
         """Like mlx-lm's prefill, a chunk before the last evaluates the caches alone, which
@@ -292,7 +329,19 @@ class RingEngine(Engine):
     def last_rank(self) -> int:
         return ChunkSplit.last_token_rank
 
-    def _begin_prefill(self, cache: list[Any]) -> int:
+    def _begin_prefill(self, state: dict[str, str]) -> None:
+        ring = self.ring
+        ring.position = int(state.get("ring_position", 0))
+        lengths = state.get("ring_past_lengths")
+        ring.past_lengths = json.loads(lengths) if lengths else [0] * ring.size
+
+    def _prefill_state(self) -> dict[str, str]:
+        return {
+            "ring_position": str(self.ring.position),
+            "ring_past_lengths": json.dumps(self.ring.past_lengths),
+        }
+
+    def _start_position(self, cache: list[Any]) -> int:
         """Sharded: the ranks' caches hold disjoint positions, in any order (attention over a
         past is order-free), so the prompt starts after all of them (one collective)."""
         ring = self.ring

@@ -23,10 +23,10 @@ from jobs.model_catalog import (
     ModelSource,
     config_from_gguf_metadata,
     default_dtype,
-    load_tokenizer,
     model_config,
     resolve_model,
 )
+from jobs.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

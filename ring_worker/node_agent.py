@@ -27,6 +27,7 @@ from jobs.submit import node_queue
 from jobs.workers import service_worker
 from ring_worker.devices import cuda_memory_bytes, gpu_name, node_backend, visible_gpus
 from ring_worker.processes import rank_environment, spawn_rank, terminate_all
+from ring_worker.stall import StallWatch
 from ring_worker.standby import StandbyRank
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class NodeAgent:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.reservations = Reservations(conn, settings.reservation_lease_s)
+        self.stalls = StallWatch(self.store, settings, name)
         self.scratch = settings.home / "nodes" / name
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.backend = node_backend(settings.backend)
@@ -204,6 +206,7 @@ class NodeAgent:
     def reap_ranks(self) -> None:
         with self.lock:
             ranks = list(self.ranks)
+        self.stalls.retain(rp.group.group_id for rp in ranks)
         for rp in ranks:
             code = rp.process.poll()
             if code is None:
@@ -213,6 +216,8 @@ class NodeAgent:
                         "job %s rank %d: group failed, stopping rank", rp.group.job_id, rp.rank
                     )
                     terminate_all([rp.process])
+                elif (stalled := self.stalls.check(rp.group)) is not None:
+                    self.stalls.lose(rp.group, rp.rank, rp.process, stalled)
                 continue
             with self.lock:
                 self.ranks.remove(rp)

@@ -21,6 +21,7 @@ from jobs.lifecycle import JobState
 from jobs.model_catalog import ChatTokenizer, load_tokenizer, resolve_model
 from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
 from jobs.settings import Settings
+from ring_worker.checkpoint import end_checkpoints, start_checkpoints
 from ring_worker.decode_text import cut_at_stop, partial_result, stop_check
 from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
@@ -95,13 +96,7 @@ def run_job(
     mx.reset_peak_memory()  # this job's peak: not the warm-up's, nor an earlier job's
     enter(io, lead, watchdog, JobState.PREFILL, len(tokens) - reused)
     prefill_started_at = time.time()
-    prefill = engine.prefill(
-        tokens[reused:],
-        io.chunk_tokens(),
-        on_progress=report,
-        should_stop=io.should_stop,
-        cache=cache,
-    )
+    prefill = checkpointed_prefill(engine, ctx, io, tokens, report, cache, reused)
     decoded = DecodeResult([], 0.0)
     if spec.kind == JobKind.GENERATE:
         enter(io, lead, watchdog, JobState.DECODE, len(tokens))
@@ -127,6 +122,49 @@ def run_job(
     if not spec.keep_cache:  # after the result: its KV is kept while the user reads it
         keep_after(prefix, engine, io.job_id, spec, tokens, prefill, start, automatic)
     log.info("job %s rank %d: done", io.job_id, ctx.rank)
+
+
+def checkpointed_prefill(
+    engine: Engine,
+    ctx: RankContext,
+    io: JobIO,
+    tokens: list[int],
+    report: ProgressFn,
+    cache: list | None,
+    reused: int,
+) -> PrefillResult:
+    """The job's prefill, checkpointed every RINGQ_CHECKPOINT_TOKENS (ring_worker/checkpoint.py)
+    and continued from an earlier attempt's checkpoint when every rank holds one. A finished or
+    cancelled prefill deletes this rank's part; a failed one keeps it for the retry."""
+    saver, resume = None, None
+    if cache is None:
+        group = ctx.group
+        saver, resume = start_checkpoints(
+            ctx.settings.home,
+            ctx.settings.checkpoint_tokens,
+            ctx.settings.checkpoint_budget_bytes,
+            io.job_id,
+            f"{group.strategy}-{group.kv_layout}-{len(group.nodes)}",
+            ctx.rank,
+            engine.gather_ints,
+            io.chunk_tokens(),
+            len(tokens),
+        )
+    try:
+        prefill = engine.prefill(
+            tokens[reused:],
+            io.chunk_tokens(),
+            on_progress=report,
+            should_stop=io.should_stop,
+            cache=cache,
+            checkpoints=saver,
+            resume=resume,
+        )
+    except BaseException as exc:
+        end_checkpoints(saver, keep=not isinstance(exc, Cancelled))
+        raise
+    end_checkpoints(saver, keep=False)
+    return prefill
 
 
 def next_job(ctx: RankContext, engine: Engine, io: JobIO, watchdog: Watchdog) -> JobIO | None:

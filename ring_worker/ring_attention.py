@@ -26,8 +26,7 @@ from typing import Any, Literal
 import mlx.core as mx
 import mlx.nn as nn
 
-# Past-cache keys are attended in tiles of this many tokens so score matrices stay bounded.
-PAST_TILE_TOKENS = 4096
+from admission.partition import PAST_TILE_TOKENS
 
 Exchange = Literal["rotate", "allgather"]
 KVLayout = Literal["replicated", "sharded"]

@@ -106,3 +106,9 @@ def completions(cluster, job_id: str) -> int:
     done = f"job {job_id} rank 0: done"
     logs = (cluster.settings.home / "logs").glob("*-rank0.log")
     return sum(log.read_text(errors="replace").count(done) for log in logs)
+
+
+def completions_of_finished(cluster, job_id: str) -> int:
+    """completions() of a job already seen finished: rank 0 logs `done` just after it writes the
+    result, so wait for the first line rather than read the logs at once."""
+    return wait_for(lambda: completions(cluster, job_id), f"rank 0 to log job {job_id} done")

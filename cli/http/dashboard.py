@@ -7,7 +7,6 @@ package (cli/http/static/, no CDN), and the JSON it polls:
 
 The page itself is `/` (lists) and `/jobs/{id}` (one job: timeline, progress, result)."""
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,7 +22,7 @@ from jobs.batch import batch_counts, get_batch
 from jobs.errors import JobNotFoundError
 from jobs.listing import list_batches
 from jobs.overview import queue_rows, reserved_per_node
-from jobs.schemas import GroupSpec
+from jobs.schemas import GroupSpec, TrackedGroup
 from jobs.store import JobStore
 from jobs.warm_groups import WarmGroups
 
@@ -41,13 +40,14 @@ def page(job_id: str | None = None) -> FileResponse:
 def overview(conn: Conn) -> dict[str, Any]:
     nodes = JobStore(conn).live_nodes()
     reserved = reserved_per_node(conn, [n.name for n in nodes])
-    idle = WarmGroups(conn).idle()
-    idle_ids = {group.group_id for group, _ in idle}
+    idle = WarmGroups(conn).idle_groups()
+    idle_ids = {warm.group.group_id for warm in idle}
     return {
         "nodes": [{**n.model_dump(mode="json"), "reserved_bytes": reserved[n.name]} for n in nodes],
         "running_groups": [g for g in running_groups(conn) if g["group_id"] not in idle_ids],
         "warm_groups": [
-            {**_group_json(group), "bytes_per_node": held, "state": "warm"} for group, held in idle
+            {**_group_json(w.group), "bytes_per_node": w.bytes_per_node, "state": "warm"}
+            for w in idle
         ],
         "queues": [q.model_dump(mode="json") for q in queue_rows(conn)],
     }
@@ -92,9 +92,10 @@ def batch_json(conn: redis.Redis, batch_id: str, ttl_s: int) -> dict[str, Any] |
 def running_groups(conn: redis.Redis) -> list[dict[str, Any]]:
     rows = []
     for raw in conn.hgetall(keys.GROUPS_INDEX).values():
-        entry = json.loads(raw)
-        group = GroupSpec.model_validate(entry["group"])
-        rows.append({**_group_json(group), "admitted_at": entry["admitted_at"], "state": "running"})
+        entry = TrackedGroup.model_validate_json(raw)
+        rows.append(
+            {**_group_json(entry.group), "admitted_at": entry.admitted_at, "state": "running"}
+        )
     return sorted(rows, key=lambda row: row["admitted_at"])
 
 

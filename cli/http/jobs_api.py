@@ -23,7 +23,7 @@ from jobs import keys
 from jobs.cancel import cancel_job
 from jobs.lifecycle import JobState
 from jobs.listing import MAX_LIMIT, list_jobs
-from jobs.schemas import JobSpec
+from jobs.schemas import JobSpec, TrackedGroup
 from jobs.store import JobStore
 from jobs.submit import submit_job
 
@@ -110,10 +110,10 @@ def admitted_at(conn: Conn, view: JobView) -> float | None:
     if view.placement is None:
         return None
     raw = conn.hget(keys.GROUPS_INDEX, view.placement.group_id)
-    entry = json.loads(raw) if raw else None
-    if not entry or entry["group"]["job_id"] != view.id:
+    entry = TrackedGroup.model_validate_json(raw) if raw else None
+    if entry is None or entry.group.job_id != view.id:
         return None
-    return float(entry["admitted_at"])
+    return entry.admitted_at
 
 
 def sse(event: str, data: dict[str, Any]) -> str:

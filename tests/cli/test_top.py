@@ -12,13 +12,14 @@ from rich.console import Console
 from cli.main import cli
 from cli.render import format_eta
 from cli.top import follow
+from jobs import keys
 from jobs.lifecycle import JobState
 from jobs.overview import eta_s, running_jobs, take_overview
 from jobs.schemas import GroupSpec, JobKind, JobSpec, NodeInfo, Placement, Progress
 from jobs.settings import get_settings
 from jobs.store import JobStore
 from jobs.submit import node_queue, submit_job
-from jobs.warm_groups import WarmGroups, idle_key
+from jobs.warm_groups import WarmGroups
 
 GiB = 1024**3
 
@@ -85,7 +86,9 @@ def busy(redis_conn):
         strategy="single",
     )
     WarmGroups(redis_conn).offer(idle, 2 * GiB)
-    redis_conn.set(idle_key("warm1"), "1", ex=60)  # what its rank 0 keeps alive while waiting
+    redis_conn.set(
+        keys.group_idle("warm1"), "1", ex=60
+    )  # what its rank 0 keeps alive while waiting
     return ids
 
 
@@ -132,6 +135,7 @@ def test_top_json_is_one_object(ringq, busy):
         "idle_groups",
         "queued",
         "queued_total",
+        "services",
     }
     assert [job["id"] for job in payload["queued"]] == ["job-2", "job-3"]  # oldest first
     assert payload["queued_total"] == 2

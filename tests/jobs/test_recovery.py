@@ -12,6 +12,8 @@ from jobs import keys
 from jobs.errors import StaleGroupError
 from jobs.lifecycle import JobState
 from jobs.recovery import (
+    current_job,
+    forget_group,
     lose_group,
     reconcile,
     report_group_failure,
@@ -153,6 +155,52 @@ def test_ranks_of_a_lost_group_cannot_touch_its_retry(store, settings):
     assert store.get(job).state == JobState.FINISHED
 
 
+def result_of(prompt_tokens: int) -> JobResult:
+    return JobResult(
+        prompt_tokens=prompt_tokens,
+        generated_tokens=0,
+        prompt_tps=1.0,
+        generation_tps=0.0,
+        load_s=0.0,
+        prefill_s=1.0,
+        decode_s=0.0,
+        peak_memory_bytes=[1],
+    )
+
+
+def test_a_lost_group_cannot_finish_or_fail_its_running_retry(store, settings):
+    """The race: group g1 is lost mid-prefill but its rank 0 lives on (a stalled link that
+    recovers); the retry runs on g2 and is in PREFILL, legal to finish from, when g1's late
+    finish() and fail() arrive. Only the fence (the job's placement names g2) stops them."""
+    job = new_job(store)
+    place(store, job, "g1")
+    stale = RedisJobIO(store, job, "g1")
+    stale.enter(JobState.LOADING, 10)
+    stale.enter(JobState.PREFILL, 10)
+    assert lose_group(store.conn, settings, job, "g1", "rank 1 stalled") == "retried"
+    store.transition(job, JobState.ADMITTED)
+    place_retry(store, job, "g2")
+    retry = RedisJobIO(store, job, "g2")
+    retry.enter(JobState.LOADING, 10)
+    retry.enter(JobState.PREFILL, 10)
+    retry.progress(Progress(phase=JobState.PREFILL, processed=5, total=10))
+    running = store.get(job)
+    with pytest.raises(StaleGroupError, match="no longer placed on group g1"):
+        stale.finish(result_of(prompt_tokens=111))
+    stale.fail("rank 0: late error of the lost group")  # recorded for g1 only
+    # what g1's node agent does next with that report: nothing, the job moved on
+    assert lose_group(store.conn, settings, job, "g1", "rank 0 exited with code 1") is None
+    with pytest.raises(StaleGroupError):
+        store.transition(job, JobState.FAILED, group_id="g1", error="late")
+    assert store.get(job) == running  # still g2's, in PREFILL, untouched
+    assert not store.conn.exists(keys.group_failed("g2"))
+    assert admissions(store) == [f"admit-{job}-attempt1"]  # no second retry was queued
+    retry.finish(result_of(prompt_tokens=10))
+    final = store.get(job)
+    assert final.state == JobState.FINISHED and final.result == result_of(prompt_tokens=10)
+    assert final.attempt == 1 and final.error is None
+
+
 def put_node(store: JobStore, name: str, heartbeat_at: float | None = None) -> None:
     now = time.time()
     store.put_node(
@@ -208,6 +256,19 @@ def test_the_reconciler_forgets_groups_whose_job_ended(store, settings):
     assert store.conn.hlen(keys.GROUPS_INDEX) == 0
 
 
+def test_a_group_entry_changed_since_it_was_read_is_not_forgotten(store, settings):
+    """The reconciler read a warm group's entry for its finished job; the dispatcher then
+    handed the group its next job. Dropping the entry now would leave that job unwatched."""
+    first, second = new_job(store, "j1"), new_job(store, "j2")
+    group = place(store, first, "g1")
+    seen = store.conn.hget(keys.GROUPS_INDEX, "g1")
+    track_group(store.conn, group.model_copy(update={"job_id": second}))
+    assert not forget_group(store.conn, "g1", seen)
+    assert current_job(store.conn, "g1", first) == second
+    assert forget_group(store.conn, "g1", store.conn.hget(keys.GROUPS_INDEX, "g1"))
+    assert store.conn.hlen(keys.GROUPS_INDEX) == 0
+
+
 def test_status_shows_the_retries(store, settings):
     job = new_job(store)
     place(store, job, "g1")
@@ -233,3 +294,13 @@ def test_an_admission_taken_by_a_dispatcher_that_died_is_put_back(store):
     store.conn.set(parked.get_first_seen_key(f"admit-{job}"), time.time() - 60)
     assert rescue_dequeued(queue) == [f"admit-{job}"]
     assert queue.job_ids == [f"admit-{job}"] and parked.get_job_ids() == []
+
+
+def test_an_unreadable_failure_record_fails_the_job_and_says_so(store, settings):
+    job = new_job(store)
+    place(store, job, "g1")
+    store.conn.set(keys.group_failed("g1"), '{"reason": "half a record"')  # cut short
+    assert lose_group(store.conn, settings, job, "g1", "rank 0 exited with code 1") == "failed"
+    final = store.get(job)
+    assert final.state == JobState.FAILED and "unreadable failure record" in (final.error or "")
+    assert admissions(store) == []

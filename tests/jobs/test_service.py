@@ -101,7 +101,18 @@ def test_rank_failure_fails_the_job_and_leaves_no_process(store, broken_model_di
         time.sleep(0.2)
 
 
-def test_dispatcher_and_nodes_survive_bad_jobs(cluster, store, tiny_llama_dir):
+def test_dispatcher_and_nodes_survive_bad_jobs(cluster, store, tiny_llama_dir, broken_model_dir):
+    """Its own bad jobs (whatever ran before): ranks that fail loading, a ring larger than the
+    cluster, a prompt longer than the context. Every service lives on and runs a good job."""
+    bad_jobs = [
+        generate(broken_model_dir, ring_size=2),
+        generate(tiny_llama_dir, ring_size=3),
+        generate(tiny_llama_dir).model_copy(update={"document": "word " * 9000}),
+    ]
+    for spec in bad_jobs:
+        failed = run_job(store, spec)
+        assert failed.state == JobState.FAILED and failed.error, failed
     cluster.check_children()
     record = run_job(store, generate(tiny_llama_dir, ring_size=2))
     assert record.state == JobState.FINISHED, record.error
+    cluster.check_children()

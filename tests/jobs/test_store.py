@@ -1,9 +1,14 @@
 """Job records against a real redis-server."""
 
-import pytest
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+import redis
+
+from jobs import keys
 from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundError
 from jobs.lifecycle import JobState
+from jobs.redis_server import connect
 from jobs.schemas import JobKind, JobSpec, Progress
 from jobs.store import JobStore
 
@@ -59,3 +64,57 @@ def test_tokens_round_trip(store):
     store.create("j1", SPEC)
     store.set_tokens("j1", [1, 2, 3])
     assert store.get_tokens("j1") == [1, 2, 3]
+
+
+@pytest.mark.parametrize("state", [JobState.FAILED, JobState.CANCELLED])
+def test_end_moves_a_live_job_to_its_final_state_once(store, state):
+    store.create("j1", SPEC)
+    assert store.end("j1", state, "why")
+    assert not store.end("j1", JobState.FAILED, "again")
+    record = store.get("j1")
+    assert record.state == record.progress.phase == state and record.error == "why"
+
+
+def test_end_of_a_stale_group_leaves_the_job_alone(store):
+    store.create("j1", SPEC)
+    assert not store.end("j1", JobState.FAILED, "stale", group_id="g-old")
+    assert store.get("j1").state == JobState.QUEUED
+
+
+def test_end_refuses_states_that_need_a_result(store):
+    store.create("j1", SPEC)
+    with pytest.raises(ValueError, match="finished"):
+        store.end("j1", JobState.FINISHED, "no result")
+
+
+def test_a_create_refused_midway_leaves_no_partial_record(store, redis_url):
+    """Redis refuses one of the create's writes (here an ACL without ZADD; in life a dead link
+    or a full Redis between two round trips): no field of the record may be left behind, or
+    every later read would find a corrupt job and the id could never be used again."""
+    store.conn.execute_command("ACL", "SETUSER", "no-zadd", "on", ">pw", "~*", "+@all", "-zadd")
+    try:
+        limited = JobStore(redis.Redis.from_url(redis_url, username="no-zadd", password="pw"))
+        with pytest.raises(redis.RedisError, match="zadd"):
+            limited.create("j1", SPEC)
+    finally:
+        store.conn.execute_command("ACL", "DELUSER", "no-zadd")
+    assert store.conn.hkeys(keys.job("j1")) == []
+    assert store.create("j1", SPEC).spec == SPEC  # the id is still free
+
+
+def test_concurrent_creates_of_one_id_make_one_job(store, redis_url):
+    specs = [JobSpec(kind=JobKind.PREFILL, document=f"writer {i}") for i in range(8)]
+    stores = [JobStore(connect(redis_url)) for _ in specs]
+    with ThreadPoolExecutor(len(specs)) as pool:
+        outcomes = list(pool.map(create_or_error, stores, specs))
+    winners = [spec for spec, won in zip(specs, outcomes, strict=True) if won]
+    assert len(winners) == 1 and store.get("j1").spec == winners[0]
+    assert store.conn.zrange(keys.JOBS_INDEX, 0, -1) == [b"j1"]
+
+
+def create_or_error(store: JobStore, spec: JobSpec) -> bool:
+    try:
+        store.create("j1", spec)
+        return True
+    except InvalidJobError:
+        return False

@@ -2,15 +2,20 @@
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 
+from ring_worker.engine import Engine
 from ring_worker.group import join_group
 from ring_worker.ring_attention import Exchange, KVLayout
 from ring_worker.strategies import make_engine
 from tests.ring_worker.tiny import load_tiny
+
+DECODE_TOKENS = 32
 
 
 def main() -> None:
@@ -18,7 +23,7 @@ def main() -> None:
         1:10
     ]
     group = join_group(json.loads(addresses), int(rank), Path(out_dir))
-    assert strategy in ("ring", "pipeline")
+    assert strategy in ("single", "ring", "pipeline")
     assert exchange in ("rotate", "allgather") and kv_layout in ("replicated", "sharded")
     model = load_tiny(Path(model_dir))
     engine = make_engine(
@@ -29,15 +34,40 @@ def main() -> None:
         progress: list[tuple[int, int]] = []
         prefill = engine.prefill(prompt_tokens(length), int(chunk), on_progress=recorder(progress))
         kv_tokens = prefill.cache[0].offset  # this rank's KV after prefill
-        decoded = engine.decode(prefill, 32)
+        steps = [prefill.logits]
+        with recording_decode_logits(engine, steps):
+            decoded = engine.decode(prefill, DECODE_TOKENS)
         results[str(length)] = {
             "tokens": decoded.tokens,
             "kv_tokens": kv_tokens,
             "kv_layers": len(prefill.cache),
             "progress": progress,
         }
-        mx.save(str(Path(out_dir) / f"logits-{length}-rank{rank}.npy"), prefill.logits)
+        # Prefill's last-position logits (every rank), then each decode step's (the ranks that
+        # compute them: every ring rank, a pipeline's last).
+        mx.save(str(Path(out_dir) / f"logits-{length}-rank{rank}.npy"), mx.stack(steps))
     (Path(out_dir) / f"tokens-rank{rank}.json").write_text(json.dumps(results))
+
+
+@contextmanager
+def recording_decode_logits(engine: Engine, steps: list[mx.array]) -> Iterator[None]:
+    """Within: every decode step's logits are appended to `steps`, evaluated along with the
+    step (async, so the engine's overlap of steps and votes is kept)."""
+    step = engine._decode_step
+
+    def recorded(token: mx.array, cache: list[Any]) -> mx.array | None:
+        logits = step(token, cache)
+        if logits is not None:
+            mx.async_eval(logits)
+            steps.append(logits)
+        return logits
+
+    engine.__dict__["_decode_step"] = recorded  # shadows the method on this instance only
+    try:
+        yield
+    finally:
+        del engine.__dict__["_decode_step"]
+    mx.eval(steps)
 
 
 def recorder(seen: list[tuple[int, int]]):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from jobs.model_catalog import load_tokenizer, resolve_model
+from jobs.model_catalog import resolve_model
+from jobs.tokenizer import load_tokenizer
 from ring_worker.decode_text import cut_at_stop, partial_result, stop_check
 
 

@@ -3,9 +3,10 @@ test_ring_equivalence.py)."""
 
 import pytest
 
+from admission.partition import split_layers
 from jobs.model_catalog import resolve_model
 from ring_worker.models import load_model
-from ring_worker.pipeline import keep_stage, split_layers
+from ring_worker.pipeline import keep_stage
 
 
 @pytest.mark.parametrize(

@@ -63,13 +63,14 @@ def test_watchdog_without_kicks_dumps_threads_reports_and_exits(recorder, capfd)
 
 
 def test_kicks_keep_the_watchdog_quiet_and_a_phase_has_its_own_limit(recorder):
-    watchdog = Watchdog("job-1", 0, 0.3, recorder.reasons.append, recorder.exit)
+    # A 1 s limit against kicks every 0.1 s: a loaded machine may stretch the gaps 10x.
+    watchdog = Watchdog("job-1", 0, 1.0, recorder.reasons.append, recorder.exit)
     try:
         watchdog.start("loading", timeout_s=30)
-        time.sleep(0.6)  # past the stall limit, within the loading one
+        time.sleep(1.5)  # past the stall limit, within the loading one (the time is the test)
         for _ in range(12):
             watchdog.kick("prefill")
-            time.sleep(0.05)
+            time.sleep(0.1)
         assert not recorder.exited.is_set()
         assert recorder.exited.wait(5)  # no more kicks: the prefill limit applies
     finally:

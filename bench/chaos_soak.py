@@ -1,0 +1,415 @@
+"""Chaos soak: many jobs through `ringq up --nodes 2` while ranks, node agents, the dispatcher and
+Redis are killed, stopped and restarted at random moments; then every invariant is checked.
+
+    uv run python -m bench.chaos_soak --jobs 1000 --faults 60
+    uv run python -m bench.chaos_soak --jobs 1000 --no-faults     # the throughput baseline
+
+First a fault-free reference run of every distinct job of the load (one each), then the load:
+half the jobs submitted directly, half as batch files, a few cancelled at random moments.
+Invariants at the end: every job final, none lost, none completed twice, every finished greedy
+job's text equal to its reference, reservations back to 0, no rank process left, the
+dispatcher's and node agents' RSS at most 10 % above its value after the first 10 % of jobs.
+Writes bench/results/chaos-<jobs>.json (or chaos-fault-free-<jobs>.json).
+"""
+
+import json
+import logging
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from contextlib import suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+import psutil
+import redis
+
+from bench.chaos_faults import (
+    RECOVERY_TIMEOUT_S,
+    Fault,
+    Injector,
+    RankProcess,
+    pick_kind,
+    rank_processes,
+)
+from bench.chaos_load import (
+    DOCUMENTS_TOKENS,
+    SMOLLM2_SHARE,
+    Verdict,
+    check_jobs,
+    draw_load,
+    job_states,
+    reference_specs,
+    spec_key,
+    submit_load,
+)
+from jobs.cancel import cancel_job
+from jobs.errors import RingqError
+from jobs.lifecycle import JobState
+from jobs.overview import reserved_per_node
+from jobs.redis_server import SOCKET_NAME, connect, shutdown_embedded, unix_url
+from jobs.service_status import read_service_statuses
+from jobs.settings import Settings
+from jobs.store import JobStore
+from jobs.submit import enqueue_jobs, new_job_id
+
+log = logging.getLogger(__name__)
+OUT = Path(__file__).parent / "results"
+ENV = {
+    "RINGQ_STALL_TIMEOUT_S": "10",
+    "RINGQ_PREFILL_CHUNK_TOKENS": "64",
+    "RINGQ_NODE_HEARTBEAT_S": "0.5",
+    "RINGQ_NODE_TTL_S": "3",
+    "RINGQ_RESERVATION_LEASE_S": "5",
+    "RINGQ_GROUP_IDLE_S": "5",
+    "RINGQ_MAX_RETRIES": "6",
+    # A few groups per node at a time: 1,000 queued jobs would otherwise start dozens of ranks.
+    "RINGQ_NODE_MEMORY_LIMIT_GIB": "1.5",
+}
+CANCEL_SHARE = 0.03
+TICK_S = 0.5
+RSS_GROWTH_LIMIT = 1.10
+
+
+@dataclass
+class SoakConfig:
+    jobs: int
+    faults: int
+    seed: int = 0
+    fault_gap_s: tuple[float, float] = (3.0, 15.0)  # pause between one recovery and the next fault
+    smollm2_share: float = SMOLLM2_SHARE
+    documents_tokens: tuple[int, ...] = DOCUMENTS_TOKENS
+    fault_kinds: tuple[str, ...] = ()  # inject these kinds in turn; empty: at random, by weight
+    timeout_s: float = 4 * 3600.0
+    sample_s: float = 5.0
+
+
+@dataclass
+class Progress:
+    """What the soak loop tracks while the load runs."""
+
+    ids: list[str]
+    cancel_at: dict[str, int]  # job id -> cancel once this many jobs are final
+    faults: list[Fault] = field(default_factory=list)
+    open_fault: Fault | None = None
+    next_fault_at_s: float = 0.0
+    samples: list[dict] = field(default_factory=list)
+    finished: int = 0
+    final: int = 0
+
+
+def start_up(home: Path, env_extra: dict[str, str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RINGQ_REDIS_URL"}
+    env.update(ENV, RINGQ_HOME=str(home), **env_extra)
+    out = (home / "up.out").open("w")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "up", "--nodes", "2"],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 120
+    while "Ctrl-C stops" not in " ".join((home / "up.out").read_text().split()):
+        if up.poll() is not None or time.monotonic() > deadline:
+            raise RingqError(f"`ringq up` did not start: {(home / 'up.out').read_text()}")
+        time.sleep(0.2)
+    return up
+
+
+def run_reference(conn: redis.Redis, specs: list, timeout_s: float = 600) -> dict[str, str | None]:
+    """Each distinct job once, no faults: the texts the soak's jobs must reproduce."""
+    records = enqueue_jobs(conn, [(new_job_id(), spec) for spec in specs])
+    ids = [r.id for r in records]
+    deadline = time.monotonic() + timeout_s
+    while not all(s.is_final for s in job_states(conn, ids).values()):
+        if time.monotonic() > deadline:
+            raise RingqError("the fault-free reference run did not finish")
+        time.sleep(TICK_S)
+    store = JobStore(conn)
+    texts = {}
+    for job_id in ids:
+        record = store.get(job_id)
+        if record.state == JobState.FINISHED and record.result is not None:
+            texts[spec_key(record.spec)] = record.result.text
+        else:  # its jobs in the load are then counted as having no reference, not compared
+            log.warning("reference job %s ended %s: %s", job_id, record.state, record.error)
+    return texts
+
+
+def soak_loop(conn, injector: Injector, config: SoakConfig, progress: Progress) -> None:
+    rng = random.Random(config.seed + 1)
+    started_s = time.monotonic()
+    progress.next_fault_at_s = started_s + rng.uniform(*config.fault_gap_s)
+    next_sample_s = started_s
+    while time.monotonic() - started_s < config.timeout_s:
+        try:
+            states = job_states(conn, progress.ids)
+        except redis.RedisError:
+            time.sleep(TICK_S)
+            continue
+        progress.final = sum(s.is_final for s in states.values())
+        progress.finished = sum(s == JobState.FINISHED for s in states.values())
+        pending = progress.final < len(progress.ids)
+        cancel_due(conn, progress, states)
+        step_faults(injector, config, progress, rng, pending)
+        if time.monotonic() >= next_sample_s or not pending:
+            progress.samples.append(sample(conn, injector.home, started_s, progress.final))
+            next_sample_s += config.sample_s
+        if not pending and progress.open_fault is None:
+            return
+        time.sleep(TICK_S)
+    # Timed out: the jobs still not final are reported as lost.
+
+
+def cancel_due(conn, progress: Progress, states: dict[str, JobState]) -> None:
+    for job_id, at_final in list(progress.cancel_at.items()):
+        if progress.final >= at_final:
+            del progress.cancel_at[job_id]
+            if not states[job_id].is_final:
+                with suppress(RingqError):  # it ended meanwhile
+                    cancel_job(conn, job_id)
+
+
+def step_faults(injector, config: SoakConfig, progress: Progress, rng, pending: bool) -> None:
+    now_s = time.monotonic()
+    fault = progress.open_fault
+    if fault is not None:
+        if injector.recovered(fault, progress.finished, pending):
+            fault.recovered_s = now_s - fault.at_s
+        elif now_s - fault.at_s > RECOVERY_TIMEOUT_S:
+            fault.notes.append(f"not recovered within {RECOVERY_TIMEOUT_S:.0f} s")
+        else:
+            return
+        progress.open_fault = None
+        progress.next_fault_at_s = now_s + rng.uniform(*config.fault_gap_s)
+        return
+    if not pending or len(progress.faults) >= config.faults or now_s < progress.next_fault_at_s:
+        return
+    try:
+        injected = injector.inject(next_kind(config, progress, rng), progress.finished)
+    except redis.RedisError:
+        injected = None
+    if injected is None:
+        progress.next_fault_at_s = now_s + 1.0  # nothing of that kind to hit now: soon again
+        return
+    progress.faults.append(injected)
+    progress.open_fault = injected
+
+
+def next_kind(config: SoakConfig, progress: Progress, rng: random.Random) -> str:
+    if config.fault_kinds:
+        return config.fault_kinds[len(progress.faults) % len(config.fault_kinds)]
+    return pick_kind(rng)
+
+
+def sample(conn, home: Path, started_s: float, final: int) -> dict:
+    rss: dict[str, int] = {}
+    try:
+        statuses = read_service_statuses(conn)
+    except redis.RedisError:
+        statuses = []
+    for status in statuses:
+        try:
+            rss[status.label] = psutil.Process(status.pid).memory_info().rss if status.pid else 0
+        except psutil.Error:
+            rss[status.label] = 0
+    ranks = [psutil.Process(r.pid).memory_info().rss for r in rank_processes(home)]
+    return {
+        "t_s": time.monotonic() - started_s,
+        "final": final,
+        "rss": rss,
+        "ranks_max": max(ranks, default=0),
+    }
+
+
+def rss_growth(samples: list[dict], total: int) -> dict[str, float]:
+    """Per service: its largest RSS after the first 10 % of jobs over its largest RSS until then
+    (a service restarted meanwhile grows back to its warm size: not a leak)."""
+    mark = total // 10
+    before = [s for s in samples if s["final"] <= mark]
+    after = [s for s in samples if s["final"] >= mark]
+    if not before or not after:
+        return {}
+    labels = set().union(*(s["rss"] for s in samples))
+    growth = {}
+    for label in sorted(labels):
+        base = max(s["rss"].get(label, 0) for s in before)
+        if base:
+            growth[label] = max(s["rss"].get(label, 0) for s in after) / base
+    return growth
+
+
+def settle(conn, home: Path, timeout_s: float = 90) -> tuple[dict[str, int], list]:
+    """After the last job: wait for idle groups to retire and leases to lapse."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        names = [s.label for s in read_service_statuses(conn) if s.label.startswith("node-")]
+        reserved = reserved_per_node(conn, names)
+        ranks = rank_processes(home)
+        if (not any(reserved.values()) and not ranks) or time.monotonic() > deadline:
+            return reserved, ranks
+        time.sleep(TICK_S)
+
+
+def stop_up(up: subprocess.Popen, home: Path) -> tuple[int | None, list]:
+    up.send_signal(signal.SIGINT)
+    try:
+        code = up.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        up.kill()
+        code = None
+    time.sleep(1.0)
+    return code, rank_processes(home)
+
+
+@dataclass
+class Ending:
+    """What the soak found once the load was done."""
+
+    verdict: Verdict
+    retries: list[int]
+    reserved: dict[str, int]
+    ranks_left: list[RankProcess]
+    stopped_left: list[int]
+    up_exit_code: int | None
+    reference_jobs: int
+    phases_s: dict[str, float]
+
+
+def run_soak(config: SoakConfig, home: Path, env_extra: dict[str, str] | None = None) -> dict:
+    rng = random.Random(config.seed)
+    settings = Settings(home=home, redis_url=None)
+    phases_s: dict[str, float] = {}
+    mark_s = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal mark_s
+        phases_s[name] = time.monotonic() - mark_s
+        mark_s = time.monotonic()
+
+    up = start_up(home, env_extra or {})
+    phase("start")
+    try:
+        conn = connect(unix_url(home / "redis" / SOCKET_NAME), ride_out_s=60)
+        load = draw_load(
+            config.jobs, rng, home / "batches", config.smollm2_share, config.documents_tokens
+        )
+        reference = run_reference(conn, reference_specs(load, settings))
+        phase("reference")
+        ids = submit_load(conn, load, settings)
+        cancelled = rng.sample(ids, round(len(ids) * CANCEL_SHARE))
+        progress = Progress(ids, {j: rng.randrange(0, max(1, len(ids) // 2)) for j in cancelled})
+        injector = Injector(conn, home, rng)
+        soak_loop(conn, injector, config, progress)
+        phase("load")
+        stopped_left = injector.release_stopped()
+        reserved, ranks_left = settle(conn, home)
+        phase("settle")
+        verdict = check_jobs(JobStore(conn), ids, reference, home)
+        retries = [JobStore(conn).get(j).attempt for j in ids]
+        code, ranks_after_stop = stop_up(up, home)
+        phase("stop")
+    finally:
+        if up.poll() is None:
+            up.kill()
+        shutdown_embedded(settings)
+    ending = Ending(
+        verdict,
+        retries,
+        reserved,
+        ranks_left + ranks_after_stop,
+        stopped_left,
+        code,
+        len(reference),
+        phases_s,
+    )
+    return summarise(config, progress, ending)
+
+
+def summarise(config: SoakConfig, progress: Progress, end: Ending) -> dict:
+    verdict, wall_s = end.verdict, end.phases_s["load"]
+    recover = sorted(f.recovered_s for f in progress.faults if f.recovered_s is not None)
+    growth = rss_growth(progress.samples, config.jobs)
+    services_growth = {k: v for k, v in growth.items() if k != "redis"}
+    invariants = {
+        "all_final": verdict.final == len(progress.ids),
+        "none_lost": not verdict.lost,
+        "none_completed_twice": not verdict.completed_twice,
+        "texts_equal_reference": not verdict.text_mismatches,
+        "reservations_zero": not any(end.reserved.values()),
+        "no_rank_left": not end.ranks_left and not end.stopped_left,
+        "service_rss_growth_le_10pct": all(v <= RSS_GROWTH_LIMIT for v in services_growth.values()),
+        "up_stopped_cleanly": end.up_exit_code == 0,
+        "every_fault_recovered": len(recover) == len(progress.faults),
+    }
+    return {
+        "config": {**asdict(config), "env": ENV},
+        "jobs": len(progress.ids),
+        "reference_jobs": end.reference_jobs,
+        "wall_s": wall_s,
+        "phases_s": end.phases_s,
+        "jobs_per_min": len(progress.ids) / wall_s * 60,
+        "states": verdict.states,
+        "faults_by_kind": dict(Counter(f.kind for f in progress.faults)),
+        "faults_injected": len(progress.faults),
+        "recover_s": {
+            "median": statistics.median(recover) if recover else None,
+            "p99": recover[min(len(recover) - 1, int(0.99 * len(recover)))] if recover else None,
+            "max": recover[-1] if recover else None,
+        },
+        "retries": {"total": sum(end.retries), "jobs_retried": sum(a > 0 for a in end.retries)},
+        "rss_growth": growth,
+        "invariants": invariants,
+        "problems": {
+            "lost": verdict.lost,
+            "completed_twice": verdict.completed_twice,
+            "text_mismatches": verdict.text_mismatches,
+            "without_reference": verdict.without_reference,
+            "failed": verdict.failed_errors[:20],
+            "reserved_bytes": end.reserved,
+            "ranks_left": [asdict(r) for r in end.ranks_left],
+            "stopped_ranks_left": end.stopped_left,
+        },
+        "faults": [f.report() for f in progress.faults],
+        "samples": progress.samples,
+    }
+
+
+@click.command()
+@click.option("--jobs", "job_count", default=1000, show_default=True)
+@click.option("--faults", "fault_count", default=60, show_default=True)
+@click.option("--no-faults", is_flag=True, help="The fault-free baseline of the same load.")
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--home", type=click.Path(path_type=Path), default=None, help="Default: a new /tmp dir."
+)
+def main(job_count: int, fault_count: int, no_faults: bool, seed: int, home: Path | None) -> None:
+    """Run the soak (see the module docstring) and write its JSON."""
+    from tests.helpers import short_tmp_dir
+
+    config = SoakConfig(jobs=job_count, faults=0 if no_faults else fault_count, seed=seed)
+    home = home or short_tmp_dir("ringq-chaos-")
+    home.mkdir(parents=True, exist_ok=True)
+    result = run_soak(config, home)
+    name = f"chaos-fault-free-{job_count}" if no_faults else f"chaos-{job_count}"
+    baseline = OUT / f"chaos-fault-free-{job_count}.json"
+    if not no_faults and baseline.exists():
+        base = json.loads(baseline.read_text())
+        result["throughput_vs_fault_free"] = result["jobs_per_min"] / base["jobs_per_min"]
+    result["when"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    result["command"] = " ".join(["python -m bench.chaos_soak", *sys.argv[1:]])
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    shown = {k: v for k, v in result.items() if k not in ("faults", "samples", "config")}
+    click.echo(json.dumps(shown, indent=1, default=str))
+    click.echo(f"written: {OUT / f'{name}.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""A ring-2 generate job whose rank is killed late in its prefill is retried and continues from
+the group's last checkpoint (RINGQ_CHECKPOINT_TOKENS) instead of token 0; its answer is the
+uninterrupted run's, and no checkpoint is left once it has finished."""
+
+import os
+import signal
+
+import pytest
+
+from jobs.lifecycle import JobState
+from jobs.redis_server import connect
+from jobs.schemas import JobKind, JobSpec, Sharding
+from jobs.store import JobStore
+from jobs.submit import submit_job
+from ring_worker.checkpoint import checkpoint_bytes
+from tests.helpers import LONG_DOCUMENT, final_record, private_cluster, rank_pid, wait_for
+
+ENV = {
+    "RINGQ_PREFILL_CHUNK_TOKENS": "64",
+    "RINGQ_CHECKPOINT_TOKENS": "256",
+    "RINGQ_GROUP_IDLE_S": "0",
+    "RINGQ_NODE_HEARTBEAT_S": "0.5",
+    "RINGQ_NODE_TTL_S": "3",
+    "RINGQ_RESERVATION_LEASE_S": "5",
+    "RINGQ_RANK_PORT_BASE": "32700",
+}
+
+
+@pytest.mark.slow
+def test_a_retried_ring_prefill_continues_from_its_checkpoint():
+    spec = JobSpec(
+        kind=JobKind.GENERATE,
+        document=LONG_DOCUMENT[:4000],
+        prompt="Go on.",
+        max_tokens=8,
+        model="random:tiny-llama",
+        sharding=Sharding.RING,
+        ring_size=2,
+    )
+    with private_cluster("ckpt", ENV) as cluster:
+        store = JobStore(connect(cluster.url))
+        clean = submit_job(store.conn, spec)
+        expected = wait_for(lambda: final_record(store, clean.id), "the clean run", 180)
+        assert expected.state == JobState.FINISHED, expected.error
+        record = submit_job(store.conn, spec)
+        late = wait_for(lambda: late_in_prefill(store, record.id), "80 % of the prefill", 180)
+        os.kill(rank_pid(late.placement.group_id, 1), signal.SIGKILL)
+        end = wait_for(lambda: final_record(store, record.id), "the retried job", 180)
+        assert end.state == JobState.FINISHED and end.attempt == 1, end.error
+        assert end.result is not None and expected.result is not None
+        assert end.result.text == expected.result.text
+        logs = (cluster.settings.home / "logs").glob("*-rank0.log")
+        resumed = [
+            line
+            for log in logs
+            for line in log.read_text().splitlines()
+            if f"job {record.id} rank 0: resuming from the checkpoint" in line
+        ]
+        assert resumed, "the retry started from token 0"
+        assert checkpoint_bytes(cluster.settings.home) == 0
+
+
+def late_in_prefill(store: JobStore, job_id: str):
+    record = store.get(job_id)
+    assert not record.state.is_final, record
+    progress = record.progress
+    late = record.state == JobState.PREFILL and progress.processed >= 0.8 * progress.total > 0
+    return record if late else None

@@ -1,0 +1,72 @@
+"""A busy warm group takes more jobs while its batch has room (jobs/warm_groups.py `join`), and
+its ranks take them between decode steps, the same words on every rank (`joined`)."""
+
+from jobs import keys
+from jobs.schemas import GroupSpec
+from jobs.warm_groups import WarmGroups, idle_key, next_key
+
+
+def two_ranks(group_id: str = "g1") -> GroupSpec:
+    return GroupSpec(
+        group_id=group_id,
+        job_id="first",
+        model="smollm2",
+        addresses=["127.0.0.1:1", "127.0.0.1:2"],
+        nodes=["n0", "n1"],
+    )
+
+
+def busy(warm: WarmGroups, group: GroupSpec) -> None:
+    warm.offer(group, 1000)
+    warm.started(group, group.job_id)
+
+
+def test_a_busy_group_takes_jobs_up_to_the_limit(redis_conn):
+    warm, group = WarmGroups(redis_conn), two_ranks()
+    busy(warm, group)
+    assert warm.join(group, "second", max_batch=3)
+    assert warm.join(group, "third", max_batch=3)
+    assert not warm.join(group, "fourth", max_batch=3)  # full
+    warm.ended(group, "first")
+    assert warm.join(group, "fourth", max_batch=3)
+    assert warm.batch(group.group_id) == ["fourth", "second", "third"]
+    for rank in (0, 1):
+        words = redis_conn.lrange(next_key(group.group_id, rank), 0, -1)
+        assert words == [b"second", b"third", b"fourth"]
+
+
+def test_max_batch_one_never_joins_a_busy_group(redis_conn):
+    warm, group = WarmGroups(redis_conn), two_ranks()
+    busy(warm, group)
+    assert not warm.join(group, "second", max_batch=1)
+
+
+def test_idle_retired_and_unoffered_groups_are_not_joined(redis_conn):
+    warm = WarmGroups(redis_conn)
+    never_offered = two_ranks("g0")
+    warm.started(never_offered, "first")
+    assert not warm.join(never_offered, "x", max_batch=8)
+    idle = two_ranks("g1")
+    warm.offer(idle, 1000)
+    redis_conn.set(idle_key(idle.group_id), "1")
+    assert not warm.join(idle, "x", max_batch=8)  # an idle group is claimed, not joined
+    assert warm.claim(idle, "x")
+    assert warm.join(idle, "y", max_batch=8)  # claimed: busy now
+    redis_conn.hdel(keys.WARM_GROUPS, idle.group_id)  # retired
+    assert not warm.join(idle, "z", max_batch=8)
+
+
+def test_every_rank_takes_the_same_words(redis_conn):
+    warm, group = WarmGroups(redis_conn), two_ranks()
+    busy(warm, group)
+    for job in ("a", "b"):
+        assert warm.join(group, job, max_batch=8)
+    counts: list[int] = []
+
+    def agree(count: int) -> int:  # rank 0's count reaches every rank (a collective in ranks)
+        counts.append(count)
+        return counts[0]
+
+    assert warm.joined(group, 0, agree) == ["a", "b"]
+    assert warm.joined(group, 1, agree) == ["a", "b"]
+    assert warm.joined(group, 0, lambda n: n) == []

@@ -1,0 +1,158 @@
+"""Prefill checkpoints: storage (one file per rank, replaced atomically, a disk budget, deleted
+with the job) and resume, which must give exactly the uninterrupted run's logits and greedy
+tokens (float32, CPU): on one device in-process, and on a real 2-rank ring."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from ring_worker.checkpoint import (
+    Checkpointer,
+    Resume,
+    agree_on_resume,
+    checkpoint_bytes,
+    checkpoint_dir,
+    delete_checkpoints,
+    end_checkpoints,
+    open_checkpoints,
+    read_checkpoint,
+    saved_tokens,
+    start_checkpoints,
+)
+from ring_worker.engine import Engine
+from ring_worker.group import free_loopback_ports
+from ring_worker.processes import rank_environment, spawn_rank, wait_all
+from tests.ring_worker.checkpoint_rank import run
+from tests.ring_worker.tiny import load_tiny, save_tiny
+
+
+def filled_cache(tokens: int, layers: int = 2) -> list[KVCache]:
+    cache = [KVCache() for _ in range(layers)]
+    for i, layer in enumerate(cache):
+        keys = mx.random.normal((1, 2, tokens, 16), key=mx.random.key(i))
+        layer.update_and_fetch(keys, keys * 2)
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("saved", "done", "due"), [(0, 63, False), (0, 64, True), (64, 127, False), (64, 192, True)]
+)
+def test_a_checkpoint_is_due_each_time_the_prompt_passes_a_multiple(
+    short_tmp_path, saved, done, due
+):
+    saver = Checkpointer(short_tmp_path, "j", "single-1", 0, every_tokens=64, budget_bytes=1 << 30)
+    saver.saved_tokens = saved
+    assert saver.due(done) is due
+    saver.close()
+
+
+def test_the_latest_checkpoint_replaces_the_last_and_reads_back(short_tmp_path):
+    saver = Checkpointer(short_tmp_path, "j", "ring-2", 1, every_tokens=64, budget_bytes=1 << 30)
+    saver.save(filled_cache(64), 64, {"ring_position": "64"})
+    cache = filled_cache(128)
+    saver.save(cache, 128, {"ring_position": "128"})
+    saver.close()
+    assert [p.name for p in checkpoint_dir(short_tmp_path, "j").iterdir()] == [
+        "ring-2-rank1.safetensors"
+    ]
+    resume = read_checkpoint(short_tmp_path, "j", "ring-2", 1)
+    assert resume is not None and resume.tokens == 128
+    assert resume.state == {"ring_position": "128"}
+    for got, want in zip(resume.cache, cache, strict=True):
+        assert mx.array_equal(got.keys, want.keys[..., :128, :]) and got.offset == 128
+    assert saved_tokens(short_tmp_path, "j", "ring-2", 2) == 0  # rank 0 has none
+    assert read_checkpoint(short_tmp_path, "j", "ring-2", 0) is None
+
+
+def test_checkpoints_over_the_disk_budget_are_skipped(short_tmp_path):
+    saver = Checkpointer(short_tmp_path, "j", "single-1", 0, every_tokens=64, budget_bytes=1000)
+    saver.save(filled_cache(64), 64, {})
+    saver.close()
+    assert saver.skipped == 1 and checkpoint_bytes(short_tmp_path) == 0
+
+
+@pytest.mark.parametrize(
+    ("counts", "agreed"),
+    [([128, 128], True), ([128, 0], False), ([0, 0], False), ([128, 256], False)],
+)
+def test_ranks_resume_only_when_every_part_holds_the_same_tokens(counts, agreed):
+    resume = Resume([], counts[0], {})
+    assert (agree_on_resume(resume, lambda mine: counts) is resume) is agreed
+
+
+def test_checkpoints_are_off_at_zero_tokens(short_tmp_path):
+    assert open_checkpoints(short_tmp_path, 0, 1 << 30, "j", "single-1", 0) == (None, None)
+
+
+def test_a_rank_deletes_its_part_when_its_prefill_is_done(short_tmp_path):
+    savers = [
+        start_checkpoints(
+            short_tmp_path, 64, 1 << 30, "j", "ring-2", rank, lambda m: [m, m], 64, 1000
+        )[0]
+        for rank in range(2)
+    ]
+    for saver in savers:
+        assert saver is not None
+        saver.save(filled_cache(64), 64, {})
+    end_checkpoints(savers[0], keep=True)
+    end_checkpoints(savers[1], keep=False)
+    assert [p.name for p in checkpoint_dir(short_tmp_path, "j").iterdir()] == [
+        "ring-2-rank0.safetensors"
+    ]
+    both = start_checkpoints(
+        short_tmp_path, 64, 1 << 30, "j", "ring-2", 0, lambda m: [m, m], 64, 99
+    )
+    assert both[1] is not None and both[1].tokens == 64
+    end_checkpoints(both[0], keep=True)
+    other_chunks = start_checkpoints(
+        short_tmp_path, 64, 1 << 30, "j", "ring-2", 0, lambda m: [m, m], 48, 99
+    )
+    assert other_chunks[1] is None  # 64 tokens is no boundary of 48-token chunks
+    end_checkpoints(other_chunks[0], keep=True)
+    resumed = start_checkpoints(
+        short_tmp_path, 64, 1 << 30, "j", "ring-2", 0, lambda m: [m, 0], 64, 99
+    )
+    assert resumed[1] is None  # rank 1's part is gone: both start from 0
+    end_checkpoints(resumed[0], keep=False)
+    assert not checkpoint_dir(short_tmp_path, "j").exists()
+
+
+def test_deleting_a_jobs_checkpoints_frees_their_bytes(short_tmp_path):
+    saver = Checkpointer(short_tmp_path, "j", "single-1", 0, every_tokens=64, budget_bytes=1 << 30)
+    saver.save(filled_cache(64), 64, {})
+    saver.close()
+    held = checkpoint_bytes(short_tmp_path)
+    assert held > 2 * 2 * 2 * 64 * 16 * 4  # layers * (K, V) * heads * tokens * dim * 4 bytes
+    assert delete_checkpoints(short_tmp_path, "j") == held
+    assert not checkpoint_dir(short_tmp_path, "j").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("tiny-ckpt"), "llama")
+
+
+def test_a_resumed_prefill_equals_an_uninterrupted_one_on_one_device(tiny_dir, short_tmp_path):
+    result = run(Engine(load_tiny(tiny_dir)), short_tmp_path, "single-1", 0)
+    assert result["resumed_from"] == 512
+    assert result["resumed"] == result["expected"]
+
+
+def test_a_resumed_ring_prefill_equals_an_uninterrupted_one(tiny_dir, short_tmp_path):
+    addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(2)]
+    argv = ["-m", "tests.ring_worker.checkpoint_rank", str(tiny_dir)]
+    procs = [
+        spawn_rank(
+            [*argv, str(rank), json.dumps(addresses), "ring", str(short_tmp_path)],
+            rank_environment(threads=1),
+        )
+        for rank in range(2)
+    ]
+    assert wait_all(procs, timeout_s=300) == [0, 0]
+    for rank in range(2):
+        result = json.loads((short_tmp_path / f"result-rank{rank}.json").read_text())
+        assert result["resumed_from"] == 512
+        assert result["resumed"] == result["expected"]
+    assert saved_tokens(short_tmp_path / "home", "job-1", "ring-2", 2) == 512
