@@ -38,6 +38,7 @@ class PlacementRequest:
     sharding: str  # "auto" | "ring" | "pipeline" | "single"
     ring_min_tokens: int  # automatic choice: shorter prompts run on the fewest nodes
     kv_layout: str = "auto"  # "auto" | "replicated" | "sharded" (ring groups)
+    preferred_nodes: tuple[str, ...] = ()  # taken first among those that fit (a kept prefix)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ def plan_placement(
     layouts = candidate_layouts(request, len(nodes), shape.layers)
     for layout in layouts:
         fitting = []
-        for node in sorted(nodes, key=lambda n: -n.available_bytes):
+        for node in sorted(nodes, key=lambda n: (n.name not in request.preferred_nodes,
+                                                  -n.available_bytes)):  # fmt: skip
             if (fit := fitting_chunk(shape, request, layout, node)) is not None:
                 fitting.append((node.name, *fit))
         if len(fitting) >= layout.size:

@@ -7,7 +7,7 @@ import sys
 import click
 
 from cli.common import client, echo_json, expand_files
-from cli.options import build_spec, job_options
+from cli.options import build_spec, submit_job_options
 from cli.render import describe, result_json, status_json
 from jobs.lifecycle import JobState
 from jobs.schemas import JobKind, Sharding
@@ -16,7 +16,7 @@ from jobs.schemas import JobKind, Sharding
 @click.command()
 @click.argument("kind", type=click.Choice([k.value for k in JobKind]))
 @click.argument("files", nargs=-1, required=True, metavar="FILE...")
-@job_options
+@submit_job_options
 @click.option("--ring-size", default="auto", show_default=True, help="Ranks (nodes) or 'auto'.")
 @click.option(
     "--sharding",
@@ -41,19 +41,24 @@ from jobs.schemas import JobKind, Sharding
     help="generate: start from prefill JOB's kept KV cache; only the rest of the prompt is "
     "computed.",
 )
-def submit(kind, files, as_json, ring_size, sharding, job_id, **options):
+def submit(kind, files, as_json, ring_size, sharding, job_id, prompts, **options):
     """Enqueue a prefill or generate job per FILE; prints the job ids, one a line.
 
     FILE is a file, '-' (stdin), a directory (its files, sorted, not hidden ones) or a quoted
     glob pattern ('docs/*.txt'). Every file is read and checked before any job is enqueued
     (the model, and --max-tokens against its context). A generate job without --prompt
     summarises the document. With one plain FILE, --json prints one object; otherwise a list.
+    Several --prompt: one job per FILE and question, in that order; jobs sharing a document
+    prefill it once.
     """
     paths = expand_files(files)
-    if job_id and len(paths) > 1:
-        raise click.UsageError(f"--id names one job, but {len(paths)} files were given")
+    questions = list(prompts) or [None]
+    if job_id and len(paths) * len(questions) > 1:
+        raise click.UsageError("--id names one job: give one FILE and at most one --prompt")
     specs = [
-        build_spec(kind, path, ring_size=ring_size, sharding=sharding, **options) for path in paths
+        build_spec(kind, path, prompt=q, ring_size=ring_size, sharding=sharding, **options)
+        for path in paths
+        for q in questions
     ]
     ringq = client()
     if len(specs) == 1:
@@ -64,7 +69,7 @@ def submit(kind, files, as_json, ring_size, sharding, job_id, **options):
         records = enqueue_jobs(ringq.conn, [(new_job_id(), spec) for spec in specs])
     if not as_json:
         click.echo("\n".join(record.id for record in records))
-    elif len(files) == 1 and paths == list(files):  # one plain FILE: one object, as before
+    elif len(specs) == 1 and paths == list(files):  # one plain FILE: one object, as before
         echo_json(status_json(records[0]))
     else:
         echo_json([status_json(record) for record in records])

@@ -29,6 +29,7 @@ LAZY_COMMANDS = {
     "node": "cli.services:node",
     "dispatcher": "cli.services:dispatcher",
     "serve": "cli.http.serve:serve",
+    "cache": "cli.cache:cache",
 }
 
 

@@ -11,16 +11,30 @@ from jobs.settings import get_settings
 
 def job_options(func):
     """Options shared by `submit` and `run`."""
+    return _job_options(func, click.option(
+        "--prompt", default=None,
+        help="Question or instruction (generate jobs). Without it a generate job summarises "
+        f"the document: “{DEFAULT_GENERATE_PROMPT}”",
+    ))  # fmt: skip
+
+
+def submit_job_options(func):
+    """`submit`'s: job_options, with --prompt repeatable (one job per question)."""
+    return _job_options(func, click.option(
+        "--prompt", "prompts", multiple=True,
+        help="Question or instruction (generate jobs); repeat it for several questions on the "
+        "same document: one job each, and the document is prefilled once (the later jobs "
+        "wait for the first one's prefill and start from its kept KV). Without it a generate "
+        f"job summarises the document: “{DEFAULT_GENERATE_PROMPT}”",
+    ))  # fmt: skip
+
+
+def _job_options(func, prompt_option):
     options = [
         click.option(
             "--model", default=None, help="Model name (smollm2), GGUF file or HF/MLX dir."
         ),
-        click.option(
-            "--prompt",
-            default=None,
-            help="Question or instruction (generate jobs). Without it a generate job summarises "
-            f"the document: “{DEFAULT_GENERATE_PROMPT}”",
-        ),
+        prompt_option,
         click.option(
             "--max-tokens", type=int, default=256, show_default=True, help="Tokens to generate."
         ),

@@ -42,6 +42,8 @@ def status_json(record: JobRecord) -> dict[str, Any]:
         },
         "prompt": prompt_shown(record),
         "model": record.spec.model,
+        "cached_tokens": record.result.cached_tokens if record.result else 0,
+        "cache_source": record.result.cache_source if record.result else None,
         "custom_id": record.spec.custom_id,
         "error": record.error,
         "waiting_reason": record.waiting_reason,
@@ -120,6 +122,9 @@ def describe(record: JobRecord) -> str:
         line += f"\n  waiting: {record.waiting_reason}"
     if record.kind == JobKind.GENERATE and record.spec.prompt is None:
         line += f"\n  prompt: none given, so the default: “{DEFAULT_GENERATE_PROMPT}”"
+    if record.result is not None and record.result.cached_tokens:
+        source = record.result.cache_source or "a kept KV cache"
+        line += f"\n  prefix: {record.result.cached_tokens} prompt tokens from {source}"
     for i, reason in enumerate(record.retry_reasons, 1):
         line += f"\n  retry {i}: {reason}"
     if record.error:

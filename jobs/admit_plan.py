@@ -7,6 +7,9 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
   nodes: a ring of N finishes one job about 0.95 N times faster than one GPU (ring-2 was 1.90x
   single on 2xH200), so N jobs side by side finish a backlog sooner than N rings one by one;
 - otherwise a long prompt takes as many nodes as fit (fastest prefill: a lone 128K job rings).
+- a kept prefix (automatic prefix reuse, jobs/prefix_cache.py "Placement"): the job waits for an
+  in-flight prefill of the same prefix, prefers the nodes that keep it, and only the tokens left
+  to compute count against RINGQ_RING_MIN_TOKENS.
 """
 
 import sys
@@ -18,6 +21,7 @@ from admission.model_shape import ModelShape
 from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
 from admission.vocabulary import DTYPE_BYTES
 from jobs.errors import AdmissionError
+from jobs.prefix_cache import PrefixHint, wait_for_pending
 from jobs.schemas import GroupSpec, JobKind, JobRecord, NodeInfo
 from jobs.settings import Settings
 
@@ -30,6 +34,7 @@ class Job:
     tokens: list[int]
     shape: ModelShape  # in float32 (CPU); GPUs plan in `model_dtype`
     model_dtype: str
+    prefix: PrefixHint = PrefixHint()  # its kept / in-flight prefix (jobs/prefix_cache.py)
 
     @property
     def new_tokens(self) -> int:
@@ -71,6 +76,8 @@ def plan_admission(job: Job, cluster: Cluster, settings: Settings) -> Place | Wa
                 "waiting for one"
             )
         raise AdmissionError("no live nodes: start one with `ringq node` (or `ringq up`)")
+    if (prefilling := wait_for_pending(job.prefix, len(job.tokens))) is not None:
+        return Wait(prefilling)
     request, reason = placement_request(job, cluster, settings)
     if cluster.idle and (warm := plan_warm(job, cluster, request, settings, reason)):
         return warm
@@ -109,8 +116,9 @@ def plan_warm(
         chosen = plan_placement(job.shape, request, capacities(job, cluster, settings, idle=True))
     except CannotPlace:
         return None
-    live = {n.name for n in cluster.nodes}
-    for group, held in cluster.idle:
+    live, kept = {n.name for n in cluster.nodes}, set(job.prefix.kept_nodes)
+    # groups on the nodes that keep the job's prefix first (one may still hold it in memory)
+    for group, held in sorted(cluster.idle, key=lambda idle: not set(idle[0].nodes) & kept):
         if not set(group.nodes) <= live or len(group.nodes) != chosen.layout.size:
             continue
         plan = group_plan(job, cluster, chosen.layout, group.nodes, chosen.chunk_tokens, settings)
@@ -137,10 +145,11 @@ def placement_request(
     job: Job, cluster: Cluster, settings: Settings
 ) -> tuple[PlacementRequest, str]:
     spec = job.record.spec
-    prompt = len(job.tokens)
-    ring_min, reason = settings.ring_min_tokens, "long prompt: as many nodes as fit"
-    if prompt < settings.ring_min_tokens:
-        reason = f"prompt under {settings.ring_min_tokens} tokens: fewest nodes that fit"
+    prompt, kept = len(job.tokens), job.prefix.kept_tokens
+    # only the tokens left to compute decide ring or not: a question on a kept document is short
+    ring_min, reason = settings.ring_min_tokens + kept, "long prompt: as many nodes as fit"
+    if prompt - kept < settings.ring_min_tokens:
+        reason = f"prompt under {settings.ring_min_tokens} tokens to compute: fewest nodes that fit"
     if job.record.attempt:
         ring_min, reason = sys.maxsize, "a retry: fewest nodes that fit (the lost group may "
         reason += "have been a broken link)"
@@ -152,6 +161,8 @@ def placement_request(
         )
     if spec.ring_size != "auto" or spec.sharding.value != "auto":
         reason = "as asked"
+    if kept:
+        reason += f"; {kept} prompt tokens kept by {job.prefix.kept_from}"
     cached = spec.keep_cache or spec.cache_from
     request = PlacementRequest(
         prompt_tokens=prompt,
@@ -161,6 +172,7 @@ def placement_request(
         sharding="single" if cached else spec.sharding.value,
         ring_min_tokens=ring_min,
         kv_layout=settings.kv_layout,
+        preferred_nodes=job.prefix.kept_nodes,
     )
     return request, reason
 

@@ -16,6 +16,8 @@ from jobs.admit_plan import Cluster, Job, Place, Wait, plan_admission
 from jobs.errors import InvalidJobError, JobNotFoundError, RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import default_dtype, resolve_model
+from jobs.prefix_cache import PENDING_GRACE_S, PENDING_TTL_S, PrefixHint, worth_keeping
+from jobs.prefix_index import PendingPrefixes, model_key, read_hint
 from jobs.prompts import tokenize_and_check
 from jobs.recovery import Reconciler, fresh_nodes, retry_delay_s, track_group
 from jobs.reservations import Reservations
@@ -107,7 +109,25 @@ class Dispatcher:
         tokens, shape = tokenize_and_check(record.spec, earlier)
         if earlier is None:  # stored once: ranks read them, and a retry need not tokenise again
             self.store.set_tokens(record.id, tokens)
-        return Job(record, tokens, shape, default_dtype(resolve_model(record.spec.model)))
+        dtype = default_dtype(resolve_model(record.spec.model))
+        return Job(record, tokens, shape, dtype, self.prefix_hint(record, tokens))
+
+    def prefix_hint(self, record: JobRecord, tokens: list[int]) -> PrefixHint:
+        """Where the job's prompt prefix is kept or being prefilled (automatic prefix reuse)."""
+        if self.settings.prefix_cache == "off" or record.spec.cache_from is not None:
+            return PrefixHint()
+        return read_hint(self.conn, record.spec.model, tokens, record.id, self.ended)
+
+    def ended(self, job_id: str) -> bool:
+        """Whether a job's in-flight marks are stale: it failed or was cancelled, or finished
+        more than PENDING_GRACE_S ago (its ranks clear them once its KV is kept)."""
+        try:
+            record = self.store.get(job_id)
+        except JobNotFoundError:
+            return True
+        if record.state != JobState.FINISHED:
+            return record.state.is_final
+        return time.time() - record.updated_at > PENDING_GRACE_S
 
     def stored_tokens(self, record: JobRecord) -> list[int] | None:
         """Tokens an earlier attempt stored for a job that waited for memory."""
@@ -192,6 +212,12 @@ class Dispatcher:
                 self.release(group)
             raise
         track_group(self.conn, group.model_copy(update={"job_id": job_id}))
+        if self.settings.prefix_cache == "on" and worth_keeping(
+            len(job.tokens), job.prefix.kept_tokens
+        ):  # later jobs on the same document wait for this prefill (its ranks clear the marks)
+            PendingPrefixes(self.conn, PENDING_TTL_S).mark(
+                job_id, model_key(job.record.spec.model), job.tokens
+            )
         if place.reuse is None:
             self.start_ranks(group)
         log.info(

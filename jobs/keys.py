@@ -97,3 +97,27 @@ def openai_batch(batch_id: str) -> str:
 
 def openai_batch_finalizing(batch_id: str) -> str:
     return f"{PREFIX}:openai-batch:{batch_id}:finalizing"  # set while its files are written
+
+
+# Automatic prefix reuse (jobs/prefix_cache.py, jobs/prefix_index.py)
+PREFIX_ENTRIES = f"{PREFIX}:prefix:entries"  # sorted set: cache entry id -> last used (unix s)
+
+
+def prefix_block(block_key: str) -> str:
+    return f"{PREFIX}:prefix:block:{block_key}"  # set of cache entry ids holding this block chain
+
+
+def prefix_entry(entry_id: str) -> str:
+    return f"{PREFIX}:prefix:entry:{entry_id}"  # JSON CacheEntry: where its KV files are
+
+
+def prefix_entry_tokens(entry_id: str) -> str:
+    return f"{PREFIX}:prefix:entry:{entry_id}:tokens"  # JSON list of the entry's prompt tokens
+
+
+def prefix_entry_shards(entry_id: str) -> str:
+    return f"{PREFIX}:prefix:entry:{entry_id}:shards"  # hash: rank -> JSON CacheShard, while kept
+
+
+def prefix_pending(block_key: str) -> str:
+    return f"{PREFIX}:prefix:pending:{block_key}"  # job id prefilling this block chain right now

@@ -125,7 +125,8 @@ class JobResult(_Message):
     decode_s: float
     peak_memory_bytes: list[int]
     prefill_started_at: float | None = None  # unix time; minus the job's created_at: its wait
-    cached_tokens: int = 0  # prompt tokens taken from a kept KV cache (cache_from), not computed
+    cached_tokens: int = 0  # prompt tokens taken from a kept KV cache (automatic or cache_from)
+    cache_source: str | None = None  # where they came from, e.g. 'job 3f2a (single on n1)'
 
 
 class JobRecord(_Message):

@@ -130,6 +130,17 @@ class Settings(BaseSettings):
         description="Bearer keys of `ringq serve`'s HTTP API, comma-separated; unset: no key "
         "needed, which `ringq serve` allows only on a loopback address.",
     )
+    prefix_cache: Literal["on", "off"] = Field(
+        default="on",
+        description="Keep every job's prompt KV on its node and start later jobs that share "
+        "its prefix from it (jobs/prefix_cache.py); off: compute every prompt whole.",
+    )
+    cache_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Disk each node agent may fill with kept KV caches under RINGQ_HOME/caches "
+        "(least recently used evicted first); unset: 10 % of the disk's free space.",
+    )
     allowed_dirs: list[Path] | None = Field(
         default=None,
         description="Directories services may read models (and other files) from, as a JSON "

@@ -50,6 +50,9 @@ class PrefillResult:
     cache: list[Any]  # this rank's mlx-lm KV caches (what they hold depends on the strategy)
     prompt_tokens: int
     seconds: float
+    # Positions whose K/V this prefill added to this rank's cache, in cache order (all of them
+    # but on a sharded ring); a continued cache holds its earlier positions before these.
+    ranges: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,13 +108,13 @@ class Engine:
         """Chunked prefill. Progress goes (0, total), then once per chunk up to (total, total) on
         every rank, for every strategy. `should_stop`, if given, must be given on every rank: the
         ranks agree on it (one tiny collective) after every step and raise Cancelled together.
-        `cache` (one device only): a KV cache of earlier tokens that `tokens` continue.
-        `checkpoints`: save this rank's caches at chunk boundaries as it asks; `resume`: continue
-        from such a checkpoint of the same prompt, chunk size and layout (single and ring)."""
+        `cache`: this rank's KV cache of earlier tokens that `tokens` continue, in this engine's
+        layout (ring_worker/kv_reshard.py builds one from a kept prefix); every rank passes one
+        or none. `checkpoints`: save this rank's caches at chunk boundaries as it asks; `resume`:
+        continue from such a checkpoint of the same prompt, chunk size and layout (single and
+        ring; its result then names no added positions, so prefix reuse keeps nothing of it)."""
         if not tokens:
             raise ValueError("cannot prefill an empty prompt")
-        if cache is not None and self.group is not None:
-            raise ValueError("continuing from a kept KV cache runs on one device")
         started = time.perf_counter()
         total = len(tokens)
         chunks = [tokens[s : s + chunk_tokens] for s in range(0, total, chunk_tokens)]
@@ -120,6 +123,7 @@ class Engine:
         if resume is not None:
             cache = resume.cache
         cache = make_prompt_cache(self.model) if cache is None else cache
+        start = self._start_position(cache)
         if on_progress:
             on_progress("prefill", ends[first - 1] if first else 0, total)
         hidden = None
@@ -136,7 +140,15 @@ class Engine:
                 done = ends[step.chunk] if step.chunk is not None else 0
                 raise Cancelled(f"stopped after {done} of {total} prompt tokens")
         logits = self._share_last_logits(hidden)
-        return PrefillResult(logits, cache, total, time.perf_counter() - started)
+        ranges = tuple(self._added_ranges(start, total)) if resume is None else ()
+        return PrefillResult(logits, cache, total, time.perf_counter() - started, ranges)
+
+    def _start_position(self, cache: list[Any]) -> int:
+        """Position of the prompt's first token: the tokens the cache already stands for."""
+        return cache[0].offset if cache else 0
+
+    def _added_ranges(self, start: int, total: int) -> list[tuple[int, int]]:
+        return [(start, start + total)]
 
     def _resume_chunk(self, resume: Resume | None, chunk_tokens: int, total: int) -> int:
         """The first chunk still to run: 0, or the one after a checkpoint's last."""
@@ -329,6 +341,24 @@ class RingEngine(Engine):
             "ring_past_lengths": json.dumps(self.ring.past_lengths),
         }
 
+    def _start_position(self, cache: list[Any]) -> int:
+        """Sharded: the ranks' caches hold disjoint positions, in any order (attention over a
+        past is order-free), so the prompt starts after all of them (one collective)."""
+        ring = self.ring
+        held = cache[0].offset
+        if ring.kv_layout == "sharded":
+            ring.past_lengths = self.gather_ints(held)
+            ring.position = sum(ring.past_lengths)
+        else:
+            ring.past_lengths, ring.position = [0] * ring.size, held
+        ring.added = []
+        return ring.position
+
+    def _added_ranges(self, start: int, total: int) -> list[tuple[int, int]]:
+        if self.ring.kv_layout == "sharded":
+            return list(self.ring.added)
+        return super()._added_ranges(start, total)
+
     def _prefill_steps(self, chunks: list[list[int]], cache: list[Any]) -> Iterator[Step]:
         for index, chunk in enumerate(chunks):
             hidden = self._ring_chunk(chunk, cache)
@@ -343,6 +373,8 @@ class RingEngine(Engine):
             # with sharded KV only the step owner, rank 0, keeps its K/V).
             ring.step_owner = 0
             hidden = self._forward(chunk, cache)
+            if ring.rank == 0:
+                ring.added.append((ring.position, ring.position + len(chunk)))
             ring.past_lengths[0] += len(chunk)
             ring.position += len(chunk)
             return hidden
@@ -353,6 +385,10 @@ class RingEngine(Engine):
         finally:
             ring.split = None
         ring.past_lengths = [n + split.local_length(r) for r, n in enumerate(ring.past_lengths)]
+        ring.added += [
+            (ring.position + split.bounds[b], ring.position + split.bounds[b + 1])
+            for b in split.blocks_of(ring.rank)
+        ]
         ring.position += len(chunk)
         return hidden if ring.rank == ChunkSplit.last_token_rank else None
 

@@ -28,9 +28,10 @@ from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
 from ring_worker.group import join_group
 from ring_worker.job_io import FileJobIO, JobIO, RedisJobIO
-from ring_worker.kept_cache import load_cache, save_cache
+from ring_worker.job_prefix import keep_after, open_prefix_cache, starting_point
 from ring_worker.models import load_for_this_device
 from ring_worker.pipeline import keep_stage
+from ring_worker.prefix_reuse import RankPrefixCache, describe_source
 from ring_worker.processes import exit_with_parent
 from ring_worker.strategies import make_engine
 from ring_worker.watchdog import Watchdog, loading_timeout_s
@@ -61,12 +62,13 @@ def serve(ctx: RankContext, io: JobIO, watchdog: Watchdog) -> None:
     if ctx.lead:
         io.enter(JobState.LOADING, len(io.tokens()))
     engine, tokenizer = start_engine(ctx, io)
+    prefix = open_prefix_cache(ctx.settings, ctx.group, ctx.rank, engine, io)
     load_s = time.perf_counter() - started
     log.info("job %s rank %d: loaded %s in %.1fs", io.job_id, ctx.rank, ctx.group.model, load_s)
     job: JobIO | None = io
     while job is not None:
         try:
-            run_job(engine, tokenizer, ctx, job, watchdog, load_s)
+            run_job(engine, tokenizer, ctx, job, watchdog, load_s, prefix)
         except Cancelled as exc:  # every rank stops this job together; the group lives on
             log.info("job %s rank %d: cancelled, %s", job.job_id, ctx.rank, exc)
             if ctx.lead:
@@ -84,20 +86,18 @@ def run_job(
     io: JobIO,
     watchdog: Watchdog,
     load_s: float,
+    prefix: RankPrefixCache | None = None,
 ) -> None:
     lead = ctx.lead
     spec, tokens = io.spec(), io.tokens()
-    home = ctx.settings.home
-    cache, reused = None, 0
-    if spec.cache_from is not None:
-        cache, reused = load_cache(home, spec.cache_from, io.kept_tokens(spec.cache_from), tokens)
+    automatic = ctx.settings.prefix_cache == "on"
+    start = starting_point(prefix, engine, spec, tokens, automatic)
+    cache, reused = (start.cache, start.tokens) if start is not None else (None, 0)
     report = kicking(watchdog, throttled(io, lead))
     mx.reset_peak_memory()  # this job's peak: not the warm-up's, nor an earlier job's
     enter(io, lead, watchdog, JobState.PREFILL, len(tokens) - reused)
     prefill_started_at = time.time()
     prefill = checkpointed_prefill(engine, ctx, io, tokens, report, cache, reused)
-    if spec.keep_cache and lead:
-        save_cache(home, io.job_id, prefill.cache, len(tokens))
     decoded = DecodeResult([], 0.0)
     if spec.kind == JobKind.GENERATE:
         enter(io, lead, watchdog, JobState.DECODE, len(tokens))
@@ -113,10 +113,15 @@ def run_job(
         )
     watchdog.kick("finishing")
     peaks = engine.gather_ints(mx.get_peak_memory())
+    if spec.keep_cache:  # a pinned cache is ready when its job is: --cache-from may follow at once
+        keep_after(prefix, engine, io.job_id, spec, tokens, prefill, start, automatic)
     if lead:
         result = job_result(spec, tokenizer, len(tokens), load_s, prefill, decoded, peaks)
-        extra = {"prefill_started_at": prefill_started_at, "cached_tokens": reused}
+        extra = {"prefill_started_at": prefill_started_at, "cached_tokens": reused,
+                 "cache_source": describe_source(start)}  # fmt: skip
         io.finish(result.model_copy(update=extra))
+    if not spec.keep_cache:  # after the result: its KV is kept while the user reads it
+        keep_after(prefix, engine, io.job_id, spec, tokens, prefill, start, automatic)
     log.info("job %s rank %d: done", io.job_id, ctx.rank)
 
 

@@ -78,6 +78,7 @@ class Ring:
     position: int = 0  # absolute position of the first token of the current step
     past_lengths: list[int] = field(default_factory=list)  # sharded: tokens each rank holds
     step_owner: int = 0  # sharded: the rank that stores the current step's K/V
+    added: list[tuple[int, int]] = field(default_factory=list)  # positions stored this prefill
     send_stream: Any = field(default_factory=lambda: mx.new_stream(mx.cpu))
     recv_stream: Any = field(default_factory=lambda: mx.new_stream(mx.cpu))
 

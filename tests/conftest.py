@@ -91,5 +91,8 @@ def cluster():
     (not the `redis_url` server, which other tests flush)."""
     from tests.helpers import private_cluster
 
-    with private_cluster("node", {"RINGQ_PREFILL_CHUNK_TOKENS": "128"}) as running:
+    # No automatic prefix reuse: tests that cancel mid-prefill need their prompts computed
+    # (tests/jobs/test_prefix_service.py runs a cluster with it on).
+    env = {"RINGQ_PREFILL_CHUNK_TOKENS": "128", "RINGQ_PREFIX_CACHE": "off"}
+    with private_cluster("node", env) as running:
         yield running

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from admission.estimate import Layout, activation_bytes, estimate_node_bytes
@@ -89,6 +91,14 @@ def test_a_pipeline_longer_than_the_model_is_refused():
 def test_largest_nodes_first():
     plan = plan_placement(SHAPE, request(ring_size=1), nodes(2, 8, 4))
     assert plan.nodes == ("n1",)
+
+
+def test_preferred_nodes_first_among_those_that_fit():
+    """A node holding the job's kept prefix goes first, if it fits."""
+    prefer = replace(request(ring_size=1), preferred_nodes=("n2",))
+    assert plan_placement(SHAPE, prefer, nodes(2, 8, 4)).nodes == ("n2",)
+    too_small = replace(request(ring_size=1), preferred_nodes=("n0",))
+    assert plan_placement(SHAPE, too_small, nodes(0.01, 8, 4)).nodes == ("n1",)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from jobs.admit_plan import Cluster, Job, Place, Wait, plan_admission
 from jobs.errors import AdmissionError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import read_model_shape, resolve_model
+from jobs.prefix_cache import PrefixHint
 from jobs.schemas import GroupSpec, JobKind, JobRecord, JobSpec, NodeInfo, Progress
 from jobs.settings import Settings
 
@@ -144,3 +145,22 @@ def test_an_idle_group_of_the_same_plan_is_reused_and_others_are_asked_to_make_w
     other = idle_group(["g0", "g1"], transport="ring").model_copy(update={"exchange": "rotate"})
     wait = plan_admission(job(131072), Cluster(GPUS, held, [(other, 30 * GIB)]), SETTINGS)
     assert isinstance(wait, Wait) and wait.evict == [other]
+
+
+def with_prefix(planned: Job, hint: PrefixHint) -> Job:
+    return Job(planned.record, planned.tokens, planned.shape, planned.model_dtype, hint)
+
+
+def test_a_question_on_a_kept_document_runs_on_the_node_that_keeps_it():
+    """128K tokens, 131000 of them kept on g1: one node (only ~70 to compute), g1."""
+    hint = PrefixHint(kept_tokens=131000, kept_nodes=("g1",), kept_from="job d (single on g1)")
+    place = plan_admission(with_prefix(job(131072), hint), Cluster(GPUS, {}, []), SETTINGS)
+    assert isinstance(place, Place)
+    assert (place.plan.layout.strategy, list(place.plan.nodes)) == ("single", ["g1"])
+    assert "131000 prompt tokens kept by job d" in place.reason
+
+
+def test_a_job_waits_for_an_in_flight_prefill_of_its_prefix():
+    hint = PrefixHint(pending_job="first", pending_tokens=130816)
+    wait = plan_admission(with_prefix(job(131072), hint), Cluster(GPUS, {}, []), SETTINGS)
+    assert isinstance(wait, Wait) and "waiting for job first" in wait.reason

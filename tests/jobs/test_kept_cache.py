@@ -6,11 +6,11 @@ import pytest
 from pydantic import ValidationError
 
 from jobs.lifecycle import JobState
+from jobs.prefix_index import PrefixIndex
 from jobs.redis_server import connect
 from jobs.schemas import JobKind, JobRecord, JobSpec, Sharding
 from jobs.store import JobStore
 from jobs.submit import submit_job
-from ring_worker.kept_cache import cache_path, shared_prefix
 from tests.helpers import final_record, wait_for
 
 DOCUMENT = "Kept caches let many questions share one long prefill. " * 20
@@ -34,7 +34,8 @@ def test_a_generate_job_continues_a_kept_cache_and_answers_the_same(cluster, sto
     )
     assert kept.state == JobState.FINISHED, kept.error
     assert kept.placement.strategy == "single"
-    assert cache_path(cluster.settings.home, kept.id).is_file()
+    entry = PrefixIndex(store.conn).get(kept.id)  # pinned in the node's bounded store
+    assert entry is not None and entry.pinned and entry.nodes() == kept.placement.nodes
     question = JobSpec(
         kind=JobKind.GENERATE, document=DOCUMENT, prompt=QUESTION, model=model, max_tokens=16
     )
@@ -72,9 +73,3 @@ def test_cache_from_a_job_without_a_cache_fails_clearly(store, tiny_llama_dir):
 def test_cache_options_are_checked_at_submit(fields, message):
     with pytest.raises(ValidationError, match=message):
         JobSpec(document="x", **fields)
-
-
-def test_shared_prefix_leaves_the_last_token_to_compute():
-    assert shared_prefix([1, 2, 3, 4], [1, 2, 3, 9, 9]) == 3
-    assert shared_prefix([1, 2, 3], [1, 2, 3]) == 2  # the last prompt token gives the logits
-    assert shared_prefix([5], [1, 2]) == 0

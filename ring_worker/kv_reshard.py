@@ -1,0 +1,104 @@
+"""Rebuild a rank's KV cache from the shards of a kept prefix, whatever layout made them.
+
+A shard holds some layers at some positions (ranges, in the order its arrays hold them). Keys
+carry RoPE at their absolute positions and a past is wholly visible to later queries, so a
+rank's past may hold any set of positions in any order: every layout is a cut-and-concatenate
+of every other (design: jobs/prefix_cache.py). No I/O here.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+Ranges = Sequence[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class ShardKV:
+    layer_start: int
+    ranges: tuple[tuple[int, int], ...]
+    layers: list[tuple[mx.array, mx.array]]  # (keys, values) per layer, (1, kv_heads, L, D)
+
+    def holds_layer(self, layer: int) -> bool:
+        return self.layer_start <= layer < self.layer_start + len(self.layers)
+
+
+def clip_ranges(ranges: Ranges, end: int) -> list[tuple[int, int]]:
+    """The positions below `end`, in the same order."""
+    return [(start, min(stop, end)) for start, stop in ranges if start < end]
+
+
+def even_split(tokens: int, rank: int, size: int) -> list[tuple[int, int]]:
+    """Rank `rank`'s contiguous share of positions [0, tokens) over `size` ranks."""
+    base, extra = divmod(tokens, size)
+    start = rank * base + min(rank, extra)
+    stop = start + base + (1 if rank < extra else 0)
+    return [(start, stop)] if stop > start else []
+
+
+def kv_at(shards: Sequence[ShardKV], layer: int, want: Ranges) -> tuple[mx.array, mx.array] | None:
+    """Layer `layer`'s K/V at the positions `want` (in that order); None if a shard is missing."""
+    keys, values = [], []
+    for start, stop in want:
+        cursor = start
+        while cursor < stop:
+            piece = _find(shards, layer, cursor, stop)
+            if piece is None:
+                return None
+            k, v, cursor = piece
+            keys.append(k)
+            values.append(v)
+    if not keys:
+        return None
+    if len(keys) == 1:  # a view, not a copy
+        return keys[0], values[0]
+    return mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
+
+
+def _find(
+    shards: Sequence[ShardKV], layer: int, cursor: int, stop: int
+) -> tuple[mx.array, mx.array, int] | None:
+    """The longest run from `cursor` (below `stop`) that one shard holds, and where it ends."""
+    for shard in shards:
+        if not shard.holds_layer(layer):
+            continue
+        offset = 0
+        for start, end in shard.ranges:
+            if start <= cursor < end:
+                upto = min(end, stop)
+                first = offset + cursor - start
+                k, v = shard.layers[layer - shard.layer_start]
+                last = first + upto - cursor
+                return k[..., first:last, :], v[..., first:last, :], upto
+            offset += end - start
+    return None
+
+
+def build_cache(shards: Sequence[ShardKV], layers: range, want: Ranges) -> list[KVCache] | None:
+    """mlx-lm KV caches for `layers` holding the positions `want`; None if shards lack some."""
+    caches = []
+    for layer in layers:
+        kv = kv_at(shards, layer, want)
+        if kv is None:
+            return None
+        cache = KVCache()
+        cache.update_and_fetch(*kv)
+        caches.append(cache)
+    return caches
+
+
+def cache_arrays(
+    cache: Sequence[KVCache], ranges: Ranges, keep: Ranges
+) -> list[tuple[mx.array, mx.array]]:
+    """The K/V of the positions `keep` from a live cache whose positions are `ranges` (cache
+    order): what a rank writes to disk after its job (e.g. the prompt only, not the answer)."""
+    shard = ShardKV(0, tuple(ranges), [(c.keys, c.values) for c in cache])
+    out = []
+    for layer in range(len(cache)):
+        kv = kv_at([shard], layer, keep)
+        if kv is None:
+            raise ValueError(f"the cache does not hold positions {list(keep)}")
+        out.append(kv)
+    return out

@@ -1,0 +1,59 @@
+"""Automatic prefix reuse through the service: questions on one document submitted together
+prefill it once (the others wait for that prefill, then start from its kept KV, with no flag),
+answer as the same jobs with RINGQ_PREFIX_CACHE=off (the session cluster), and say where their
+cached tokens came from; `ringq cache list` shows the kept prefix."""
+
+import pytest
+
+from jobs.lifecycle import JobState
+from jobs.prefix_index import PrefixIndex
+from jobs.redis_server import connect
+from jobs.schemas import JobKind, JobRecord, JobSpec
+from jobs.store import JobStore
+from jobs.submit import enqueue_jobs, new_job_id
+from tests.helpers import LONG_DOCUMENT, private_cluster, wait_for
+
+QUESTIONS = ["What does ring attention split?", "Over what?", "Why would one do that?"]
+
+
+def run_together(store: JobStore, specs: list[JobSpec]) -> list[JobRecord]:
+    records = enqueue_jobs(store.conn, [(new_job_id(), spec) for spec in specs])
+
+    def done() -> list[JobRecord] | None:
+        now = [store.get(r.id) for r in records]
+        return now if all(r.state.is_final for r in now) else None
+
+    return wait_for(done, "the questions", timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def reuse_cluster():
+    with private_cluster("pfx", {"RINGQ_PREFILL_CHUNK_TOKENS": "128"}) as running:
+        yield running
+
+
+@pytest.mark.slow
+def test_questions_on_one_document_prefill_it_once(reuse_cluster, cluster, tiny_llama_dir):
+    document = LONG_DOCUMENT[:4000]  # ~700 tokens: a single node (under RINGQ_RING_MIN_TOKENS)
+    specs = [
+        JobSpec(
+            kind=JobKind.GENERATE,
+            document=document,
+            prompt=q,
+            model=str(tiny_llama_dir),
+            max_tokens=12,
+        )  # fmt: skip
+        for q in QUESTIONS
+    ]
+    store = JobStore(connect(reuse_cluster.url))
+    reused = run_together(store, specs)
+    assert all(r.state == JobState.FINISHED for r in reused), [r.error for r in reused]
+    cached = [r.result.cached_tokens for r in reused]
+    assert cached[0] == 0 and all(c > 500 for c in cached[1:]), cached
+    assert all(f"job {reused[0].id}" in r.result.cache_source for r in reused[1:])
+    assert all(r.placement.nodes == reused[0].placement.nodes for r in reused)
+    plain = run_together(JobStore(connect(cluster.url)), specs)  # RINGQ_PREFIX_CACHE=off
+    assert [r.result.cached_tokens for r in plain] == [0, 0, 0]
+    assert [r.result.text for r in reused] == [r.result.text for r in plain]
+    [entry] = PrefixIndex(store.conn).listing()
+    assert entry.id == reused[0].id and entry.nodes() == reused[0].placement.nodes

@@ -1,0 +1,163 @@
+"""The bounded on-disk KV store: budget never exceeded, LRU eviction with pinned files last,
+corrupt or truncated files ignored; and rebuilding a rank's cache from shards of any layout."""
+
+import os
+
+import mlx.core as mx
+import pytest
+
+from ring_worker.cache_store import CacheStore, estimate_bytes
+from ring_worker.kv_reshard import ShardKV, build_cache, cache_arrays, clip_ranges, even_split
+
+METADATA = {"entry": "e"}
+
+
+def layers(tokens: int, seed: int = 0, count: int = 2) -> list[tuple[mx.array, mx.array]]:
+    key = mx.random.key(seed)
+    return [
+        (mx.random.normal((1, 2, tokens, 8), key=key), mx.random.normal((1, 2, tokens, 8)))
+        for _ in range(count)
+    ]
+
+
+def size_of(tokens: int) -> int:
+    return estimate_bytes(layers(tokens), METADATA)
+
+
+def age(store: CacheStore, name: str, seconds_ago: float, pinned: bool = False) -> None:
+    path = store.path_for(name, pinned)
+    stamp = path.stat().st_mtime - seconds_ago
+    os.utime(path, (stamp, stamp))
+
+
+def test_a_saved_cache_loads_back_equal(tmp_path):
+    store = CacheStore(tmp_path, 10**7)
+    saved = layers(37)
+    path = store.save("job.r0", saved, METADATA).path
+    cache, metadata = store.load(path)
+    assert metadata == METADATA
+    for (k, v), layer in zip(saved, cache, strict=True):
+        assert layer.offset == 37
+        assert mx.array_equal(layer.keys[..., :37, :], k) and mx.array_equal(layer.values, v)
+
+
+def test_the_disk_never_exceeds_the_budget_and_lru_goes_first(tmp_path):
+    budget = 3 * size_of(100) + 10
+    store = CacheStore(tmp_path, budget)
+    for i in range(3):
+        store.save(f"e{i}.r0", layers(100, i), METADATA)
+        age(store, f"e{i}.r0", 100 - i)  # e0 oldest
+    store.load(store.path_for("e0.r0"))  # used now: e1 becomes the oldest
+    for i in range(3, 8):
+        saved = store.save(f"e{i}.r0", layers(100, i), METADATA)
+        assert saved.path is not None
+        assert store.used_bytes() <= budget
+    names = {f.name for f in store.files()}
+    assert "e1.r0" not in names and len(names) == 3
+    assert "e7.r0" in names
+
+
+def test_pinned_files_are_evicted_last(tmp_path):
+    budget = 2 * size_of(100) + 10
+    store = CacheStore(tmp_path, budget)
+    store.save("pin.r0", layers(100), METADATA, pinned=True)
+    age(store, "pin.r0", 1000, pinned=True)  # the oldest of all, yet it stays
+    for i in range(3):
+        store.save(f"e{i}.r0", layers(100, i), METADATA)
+        assert store.used_bytes() <= budget
+    assert {f.name for f in store.files()} == {"pin.r0", "e2.r0"}
+    store.save("big.r0", layers(150), METADATA)  # only fits once the pinned one goes too
+    assert {f.name for f in store.files()} == {"big.r0"}
+    assert store.used_bytes() <= budget
+
+
+def test_a_file_larger_than_the_budget_is_not_kept(tmp_path):
+    store = CacheStore(tmp_path, size_of(10))
+    assert store.save("huge.r0", layers(500), METADATA).path is None
+    assert store.files() == [] and store.used_bytes() <= store.budget_bytes
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header", "empty"])
+def test_a_corrupt_file_reads_as_absent_with_a_warning(tmp_path, caplog, damage):
+    store = CacheStore(tmp_path, 10**7)
+    path = store.save("bad.r0", layers(64), METADATA).path
+    data = path.read_bytes()
+    broken = {"truncate": data[: len(data) // 2], "header": b"\xff" * 8 + data[8:], "empty": b""}
+    path.write_bytes(broken[damage])
+    assert store.load(path) is None
+    assert "unreadable" in caplog.text
+    assert not path.exists()  # deleted, so it never fails again
+
+
+def test_drop_deletes_by_name(tmp_path):
+    store = CacheStore(tmp_path, 10**7)
+    store.save("a.r0", layers(8), METADATA, pinned=True)
+    assert store.drop("a.r0") and not store.drop("a.r0")
+    assert store.files() == []
+
+
+def test_invalid_names_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="invalid cache file name"):
+        CacheStore(tmp_path, 10).path_for("../x")
+
+
+# -- resharding -------------------------------------------------------------------------------
+
+
+def reference(tokens: int) -> list[tuple[mx.array, mx.array]]:
+    """K/V whose values are their positions, so any cut can be checked."""
+    position = mx.arange(tokens, dtype=mx.float32)[None, None, :, None]
+    return [(position + 1000 * layer, -position) for layer in range(3)]
+
+
+def shard_of(full, ranges, layer_start=0, layer_stop=3) -> ShardKV:
+    picked = []
+    for k, v in full[layer_start:layer_stop]:
+        picked.append(
+            (
+                mx.concatenate([k[..., a:b, :] for a, b in ranges], axis=2),
+                mx.concatenate([v[..., a:b, :] for a, b in ranges], axis=2),
+            )
+        )
+    return ShardKV(layer_start, tuple(ranges), picked)
+
+
+def positions(cache) -> list[list[int]]:
+    return [layer.keys[0, 0, : layer.offset, 0].astype(mx.int32).tolist() for layer in cache]
+
+
+def test_zigzag_shards_rebuild_a_whole_prefix_cut_anywhere():
+    full = reference(40)
+    ring = [shard_of(full, [(0, 5), (15, 20), (20, 25)]), shard_of(full, [(5, 15), (25, 40)])]
+    cache = build_cache(ring, range(3), [(0, 33)])  # ends inside rank 1's last range
+    assert positions(cache) == [[p + 1000 * layer for p in range(33)] for layer in range(3)]
+
+
+def test_a_whole_cache_splits_into_pipeline_stages_and_ring_shares():
+    full = [shard_of(reference(30), [(0, 30)])]
+    stage = build_cache(full, range(1, 3), [(0, 30)])
+    assert [p[0] for p in positions(stage)] == [1000, 2000]
+    shares = [build_cache(full, range(3), even_split(30, r, 4)) for r in range(4)]
+    assert [len(positions(s)[0]) for s in shares] == [8, 8, 7, 7]
+    assert build_cache(full, range(3), [(0, 31)]) is None  # a position nobody holds
+
+
+def test_pipeline_stages_join_into_one_cache():
+    stages = [shard_of(reference(20), [(0, 20)], 0, 2), shard_of(reference(20), [(0, 20)], 2, 3)]
+    cache = build_cache(stages, range(3), [(0, 20)])
+    assert [p[0] for p in positions(cache)] == [0, 1000, 2000]
+
+
+def test_cache_arrays_keep_the_prompt_of_a_live_cache():
+    shard = shard_of(reference(40), [(10, 20), (0, 10), (30, 40)])
+    live = build_cache([shard], range(3), shard.ranges)
+    kept = cache_arrays(live, shard.ranges, clip_ranges(shard.ranges, 15))
+    assert kept[0][0][0, 0, :, 0].astype(mx.int32).tolist() == [*range(10, 15), *range(10)]
+
+
+@pytest.mark.parametrize(
+    ("ranges", "end", "expected"),
+    [([(0, 10), (20, 30)], 25, [(0, 10), (20, 25)]), ([(20, 30), (0, 10)], 5, [(0, 5)])],
+)
+def test_clip_ranges(ranges, end, expected):
+    assert clip_ranges(ranges, end) == expected
