@@ -23,10 +23,11 @@ from typing import Any
 import click
 
 from bench.prefix_service import service_level
-from jobs.model_catalog import load_tokenizer, resolve_model
+from jobs.model_catalog import resolve_model
 from jobs.prefix_index import PrefixIndex, model_key
 from jobs.redis_server import connect, ensure_redis
 from jobs.settings import Settings
+from jobs.tokenizer import load_tokenizer
 from ring_worker.cache_store import node_store
 from ring_worker.engine import Engine
 from ring_worker.models import load_for_this_device
