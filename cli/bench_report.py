@@ -13,17 +13,17 @@ from typing import Any, Literal, cast
 
 from rich.table import Table
 
+from admission import vocabulary
+from admission.vocabulary import Exchange, KVLayout
 from jobs.schemas import JobResult
 
 STRATEGIES = ("single", "ring", "pipeline", "mlx-lm")
 BASELINES = ("single", "mlx-lm")
-EXCHANGES = ("rotate", "allgather")
-DECODE_KV_LAYOUTS = ("replicated", "sharded")
+EXCHANGES = vocabulary.EXCHANGES
+DECODE_KV_LAYOUTS = vocabulary.KV_LAYOUTS
 MIB = 1024 * 1024
 
-Strategy = Literal["single", "ring", "pipeline", "mlx-lm"]
-Exchange = Literal["rotate", "allgather"]
-DecodeKV = Literal["replicated", "sharded"]
+Strategy = vocabulary.Strategy | Literal["mlx-lm"]  # a cell: ringq's strategies or plain mlx-lm
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Cell:
     strategy: Strategy
     ranks: int
     exchange: Exchange | None = None  # ring only
-    decode_kv: DecodeKV | None = None  # ring only
+    decode_kv: KVLayout | None = None  # ring only
 
     @property
     def label(self) -> str:
@@ -88,7 +88,7 @@ def plan_cells(
                 cells.append(Cell(pp, "pipeline", ring_size))
             else:
                 cells.extend(
-                    Cell(pp, "ring", ring_size, cast(Exchange, exchange), cast(DecodeKV, kv))
+                    Cell(pp, "ring", ring_size, cast(Exchange, exchange), cast(KVLayout, kv))
                     for exchange in exchanges
                     for kv in decode_kvs
                 )

@@ -65,9 +65,10 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from admission.vocabulary import KVLayout, Strategy
 
 BLOCK_TOKENS = 256
 KEEP_MIN_NEW_FRACTION = 0.25
@@ -75,7 +76,7 @@ WAIT_MIN_FRACTION = 0.5  # of a prompt an in-flight prefill must stand for, for 
 PENDING_TTL_S = 3600.0  # an in-flight marker's safety expiry (one of an ended job is ignored)
 PENDING_GRACE_S = 60.0  # a finished job's marks still count this long (its KV is being kept)
 
-Layout = Literal["single", "ring", "pipeline"]
+Layout = Strategy  # the layout an entry was kept by: the strategy that prefilled it
 
 
 class _Message(BaseModel):
@@ -106,7 +107,7 @@ class CacheEntry(_Message):
     tokens: int
     layout: Layout
     ring_size: int = 1
-    kv_layout: Literal["replicated", "sharded"] = "replicated"
+    kv_layout: KVLayout = "replicated"
     kv_dtype: str
     shards: list[CacheShard]
     pinned: bool = False

@@ -21,15 +21,14 @@ KV layouts after each chunk:
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from admission.partition import PAST_TILE_TOKENS
+from admission.vocabulary import Exchange, KVLayout
 
-Exchange = Literal["rotate", "allgather"]
-KVLayout = Literal["replicated", "sharded"]
 KV = tuple[mx.array, mx.array]
 
 
