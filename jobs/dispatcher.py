@@ -230,19 +230,12 @@ class Dispatcher:
         return "admitted (warm)" if place.reuse is not None else "admitted"
 
     def new_group(self, job: Job, place: Place, nodes: dict[str, NodeInfo]) -> GroupSpec:
-        plan = place.plan
-        return GroupSpec(
+        return GroupSpec.from_plan(
+            place.plan,
             group_id=uuid.uuid4().hex[:12],
             job_id=job.record.id,
             model=job.record.spec.model,
-            addresses=[self.allocate_address(nodes[name]) for name in plan.nodes],
-            nodes=list(plan.nodes),
-            strategy=plan.layout.strategy,
-            kv_layout=plan.layout.kv_layout,
-            exchange=plan.exchange,
-            transport=plan.transport,
-            devices=list(plan.devices),
-            compute_dtype=plan.compute_dtype,
+            addresses=[self.allocate_address(nodes[name]) for name in place.plan.nodes],
             idle_s=self.settings.group_idle_s,
         )
 

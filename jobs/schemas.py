@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from admission.group_plan import GroupPlan
 from admission.vocabulary import Device, Exchange, KVLayout, Strategy, Transport
 from jobs.lifecycle import JobState
 
@@ -212,6 +213,33 @@ class GroupSpec(_Message):
     @property
     def ranks(self) -> int:
         return len(self.nodes)
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: GroupPlan,
+        *,
+        group_id: str,
+        job_id: str,
+        model: str,
+        addresses: list[str],
+        idle_s: float = 0.0,
+    ) -> "GroupSpec":
+        """The group fields of a plan (admission.group_plan); the job's own stay out."""
+        return cls(
+            group_id=group_id,
+            job_id=job_id,
+            model=model,
+            addresses=addresses,
+            nodes=list(plan.nodes),
+            strategy=plan.layout.strategy,
+            kv_layout=plan.layout.kv_layout,
+            exchange=plan.exchange,
+            transport=plan.transport,
+            devices=list(plan.devices),
+            compute_dtype=plan.compute_dtype,
+            idle_s=idle_s,
+        )
 
 
 def check_job_id(job_id: str) -> str:

@@ -49,18 +49,12 @@ def run_local(
     scratch = Path(tempfile.mkdtemp(prefix=f"run-{job_id}-", dir=scratch_root))
     layout = Layout(strategy or ("single" if ring_size == 1 else "ring"), ring_size, kv_layout)
     plan = local_plan(layout, spec.model, chunk_tokens, exchange, backend)
-    group = GroupSpec(
+    group = GroupSpec.from_plan(
+        plan,
         group_id=scratch.name,
         job_id=job_id,
         model=spec.model,
         addresses=[f"127.0.0.1:{p}" for p in free_loopback_ports(ring_size)],
-        nodes=list(plan.nodes),
-        strategy=plan.layout.strategy,
-        kv_layout=plan.layout.kv_layout,
-        exchange=plan.exchange,
-        transport=plan.transport,
-        devices=list(plan.devices),
-        compute_dtype=plan.compute_dtype,
     )
     (scratch / "group.json").write_text(group.model_dump_json())
     job_file = scratch / "job.json"
