@@ -183,7 +183,7 @@ def test_submit_one_file_keeps_its_single_output(ringq, docs):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["{docs}/a.txt", "{docs}/b.txt", "--id", "x"], "--id names one job, but 2 files"),
+        (["{docs}/a.txt", "{docs}/b.txt", "--id", "x"], "--id names one job: give one FILE"),
         (["{docs}/*.pdf"], "no files match this pattern"),
         (["{docs}/sub"], "a directory with no files"),
         (["{docs}/a.txt", "{docs}/missing.txt"], "missing.txt: no such file"),
