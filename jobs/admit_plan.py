@@ -90,7 +90,7 @@ def plan_admission(job: Job, cluster: Cluster, settings: Settings) -> Place | Wa
             if (wait := wait_for_known_nodes(request, cluster, never)) is not None:
                 return wait
             raise AdmissionError(str(never)) from None
-        reason = f"waiting for memory or a free device that running groups hold: {busy}"
+        reason = f"waiting for memory that running groups hold (or for a free GPU): {busy}"
         return Wait(reason, evict=[group for group, _ in cluster.idle])
     plan = group_plan(job, cluster, chosen.layout, chosen.nodes, chosen.chunk_tokens, settings)
     return Place(plan, chosen.bytes_per_node, reason)

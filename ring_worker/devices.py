@@ -47,8 +47,10 @@ def local_nodes(gpus: list[str], count: int | None, prefix: str = "node") -> lis
     more nodes than GPUs they take turns (and share, which the caller says); on CPU, `count`
     nodes (default 2)."""
     if not gpus:
-        return [LocalNode(f"{prefix}-{i}") for i in range(count or CPU_LOCAL_NODES)]
-    count = count or len(gpus)
+        return [
+            LocalNode(f"{prefix}-{i}") for i in range(CPU_LOCAL_NODES if count is None else count)
+        ]
+    count = len(gpus) if count is None else count
     pinned = [gpus[i % len(gpus)] for i in range(count)]
     return [
         LocalNode(f"{prefix}-{i}", gpu, shares_gpu=pinned.count(gpu) > 1)

@@ -16,6 +16,7 @@ from ring_worker.checkpoint import checkpoint_bytes
 from tests.helpers import LONG_DOCUMENT, final_record, private_cluster, rank_pid, wait_for
 
 ENV = {
+    "RINGQ_PREFIX_CACHE": "off",  # these prompts must be computed, not taken from a cache
     "RINGQ_PREFILL_CHUNK_TOKENS": "64",
     "RINGQ_CHECKPOINT_TOKENS": "256",
     "RINGQ_GROUP_IDLE_S": "0",

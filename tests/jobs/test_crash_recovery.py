@@ -32,6 +32,7 @@ from tests.helpers import (
 REDIS_OUTAGE_S = 3.0
 TEARDOWN_LIMIT_S = 30  # the bound: a broken group is gone within this
 CRASH_ENV = {
+    "RINGQ_PREFIX_CACHE": "off",  # these prompts must be computed, not taken from a cache
     "RINGQ_PREFILL_CHUNK_TOKENS": "64",
     "RINGQ_NODE_HEARTBEAT_S": "0.5",
     "RINGQ_NODE_TTL_S": "3",

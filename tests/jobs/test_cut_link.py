@@ -32,6 +32,7 @@ from tests.helpers import (
 SCRIPT = Path(__file__).with_name("netns_nodes.sh")
 STALL_TIMEOUT_S = 5
 ENV = {
+    "RINGQ_PREFIX_CACHE": "off",  # these prompts must be computed, not taken from a cache
     "RINGQ_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S),
     "RINGQ_PREFILL_CHUNK_TOKENS": "64",
     "RINGQ_RANK_PORT_BASE": "34300",

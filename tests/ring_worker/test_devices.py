@@ -42,6 +42,8 @@ def test_backend_can_be_forced(monkeypatch):
         # no GPU: two CPU nodes by default, or as many as asked
         ([], None, [LocalNode("node-0"), LocalNode("node-1")]),
         ([], 3, [LocalNode("node-0"), LocalNode("node-1"), LocalNode("node-2")]),
+        ([], 0, []),  # none: tests and multi-host set-ups start their own agents
+        (["0"], 0, []),
         # one node per GPU, each pinned to its own
         (["0", "1"], None, [LocalNode("node-0", "0"), LocalNode("node-1", "1")]),
         (["0"], None, [LocalNode("node-0", "0")]),
