@@ -12,7 +12,7 @@ from jobs.redis_server import connect
 from jobs.schemas import JobKind, JobSpec, Sharding
 from jobs.store import JobStore
 from jobs.submit import submit_job
-from ring_worker.checkpoint import checkpoint_bytes
+from ring_worker.checkpoint import SUFFIX, checkpoint_bytes
 from tests.helpers import LONG_DOCUMENT, final_record, private_cluster, rank_pid, wait_for
 
 ENV = {
@@ -45,6 +45,8 @@ def test_a_retried_ring_prefill_continues_from_its_checkpoint():
         assert expected.state == JobState.FINISHED, expected.error
         record = submit_job(store.conn, spec)
         late = wait_for(lambda: late_in_prefill(store, record.id), "80 % of the prefill", 180)
+        home = cluster.settings.home
+        wait_for(lambda: checkpoint_files(home) >= 2, "a checkpoint from each rank", 60)
         os.kill(rank_pid(late.placement.group_id, 1), signal.SIGKILL)
         end = wait_for(lambda: final_record(store, record.id), "the retried job", 180)
         assert end.state == JobState.FINISHED and end.attempt == 1, end.error
@@ -59,6 +61,12 @@ def test_a_retried_ring_prefill_continues_from_its_checkpoint():
         ]
         assert resumed, "the retry started from token 0"
         assert checkpoint_bytes(cluster.settings.home) == 0
+
+
+def checkpoint_files(home) -> int:
+    """Checkpoint parts written so far (the writer thread lags the prefill a little)."""
+    root = home / "checkpoints"
+    return len([p for p in root.rglob(f"*{SUFFIX}") if p.is_file()]) if root.is_dir() else 0
 
 
 def late_in_prefill(store: JobStore, job_id: str):
