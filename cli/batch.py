@@ -63,13 +63,7 @@ def submit(file: Path, skip_invalid: bool, model: str | None, max_tokens: int, a
     (OpenAI model names such as gpt-4o-mini do not run here: pass --model).
     """
     settings = get_settings()
-    defaults = Defaults(
-        model,
-        settings.default_model,
-        max_tokens,
-        settings.max_document_bytes,
-        settings.allowed_dirs,
-    )
+    defaults = Defaults.of(settings, model, max_tokens)
     parsed = parse_batch_file(file, defaults)
     items = require_valid(parsed, skip_invalid)
     skipped = [error.skipped() for error in parsed.errors]

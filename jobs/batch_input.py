@@ -37,6 +37,7 @@ from jobs.errors import BatchInputError, RingqError, UnknownModelError
 from jobs.files import allowed_path, printable_name, read_at_most
 from jobs.model_info import check_spec
 from jobs.schemas import JobKind, JobSpec, SkippedLine
+from jobs.settings import Settings
 
 LISTED_ERRORS = 20  # an error message names this many bad lines, then counts the rest
 
@@ -81,6 +82,17 @@ class Defaults:
     max_tokens: int
     max_document_bytes: int
     allowed_dirs: list[Path] | None = None  # RINGQ_ALLOWED_DIRS: where document_path may point
+
+    @classmethod
+    def of(cls, settings: Settings, model: str | None, max_tokens: int) -> "Defaults":
+        """The defaults a local caller's settings give (RINGQ_DEFAULT_MODEL, _ALLOWED_DIRS, ...)."""
+        return cls(
+            model,
+            settings.default_model,
+            max_tokens,
+            settings.max_document_bytes,
+            settings.allowed_dirs,
+        )
 
 
 @dataclass(frozen=True)

@@ -187,13 +187,7 @@ class Client:
         from jobs.batch_input import Defaults, parse_batch_file, require_valid
 
         settings = get_settings()
-        defaults = Defaults(
-            model,
-            settings.default_model,
-            max_tokens,
-            settings.max_document_bytes,
-            settings.allowed_dirs,
-        )
+        defaults = Defaults.of(settings, model, max_tokens)
         parsed = parse_batch_file(Path(path), defaults)
         items = require_valid(parsed, skip_invalid)
         skipped = [error.skipped() for error in parsed.errors]

@@ -209,7 +209,8 @@ def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
     if group.strategy == "pipeline" and group.ranks > 1:
         prune = partial(keep_stage, rank=rank, size=group.ranks)
     try:
-        model = load_for_this_device(source, prune, group.compute_dtype, cpu=on_cpu or None)
+        planned_cpu = on_cpu if group.devices else None  # a plan without devices: look
+        model = load_for_this_device(source, prune, group.compute_dtype, cpu=planned_cpu)
     except (OSError, ValueError, RuntimeError) as exc:  # a new placement would fail the same way
         raise ModelLoadError(f"cannot load model {group.model}: {exc}") from exc
     tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
