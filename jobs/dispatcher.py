@@ -19,7 +19,7 @@ from jobs.model_catalog import default_dtype, resolve_model
 from jobs.prefix_cache import PENDING_GRACE_S, PENDING_TTL_S, PrefixHint, worth_keeping
 from jobs.prefix_index import PendingPrefixes, model_key, read_hint
 from jobs.prompts import tokenize_and_check
-from jobs.recovery import Reconciler, fresh_nodes, retry_delay_s, track_group
+from jobs.recovery import Reconciler, fresh_nodes, retry_delay_s, track_group, untrack_group
 from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, JobRecord, JobSpec, NodeInfo, Placement, Progress
 from jobs.settings import Settings, get_settings
@@ -199,6 +199,9 @@ class Dispatcher:
             return self.wait(job.record, Wait("the warm group it was given retired; retrying"))
         placement = self.placement(group, place)
         progress = Progress(phase=JobState.ADMITTED, total=len(job.tokens))
+        # Tracked before the job is ADMITTED: a dispatcher killed in between leaves a queued job
+        # that RQ admits again, never an admitted job whose group nobody watches.
+        track_group(self.conn, group.model_copy(update={"job_id": job_id}))
         try:
             self.store.transition(
                 job_id,
@@ -210,8 +213,8 @@ class Dispatcher:
         except RingqError:  # cancelled meanwhile; a warm group skips the job it was given
             if place.reuse is None:
                 self.release(group)
+                untrack_group(self.conn, group.group_id)
             raise
-        track_group(self.conn, group.model_copy(update={"job_id": job_id}))
         if self.settings.prefix_cache == "on" and worth_keeping(
             len(job.tokens), job.prefix.kept_tokens
         ):  # later jobs on the same document wait for this prefill (its ranks clear the marks)

@@ -137,6 +137,10 @@ def track_group(conn: redis.Redis, group: GroupSpec) -> None:
     conn.hset(keys.GROUPS_INDEX, group.group_id, entry.model_dump_json())
 
 
+def untrack_group(conn: redis.Redis, group_id: str) -> None:
+    conn.hdel(keys.GROUPS_INDEX, group_id)
+
+
 _FORGET_IF_UNCHANGED = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
   return redis.call('HDEL', KEYS[1], ARGV[1])
@@ -208,12 +212,14 @@ def reconcile(conn: redis.Redis, settings: Settings) -> list[str]:
         except JobNotFoundError:
             forget_group(conn, group_id, raw)
             continue
-        if (
-            record.state.is_final
-            or record.placement is None
-            or (record.placement.group_id != group_id)
-        ):
+        if record.state.is_final:
             forget_group(conn, group_id, raw)
+            continue
+        if record.placement is None or record.placement.group_id != group_id:
+            # the job moved on, or a dispatcher died between tracking the group and admitting
+            # the job (RQ admits it again); a job whose admission is in flight is left alone
+            if time.time() - entry.admitted_at > settings.reservation_lease_s:
+                forget_group(conn, group_id, raw)
             continue
         reason = why_lost(conn, settings, group, live, entry.admitted_at)
         if reason is not None:

@@ -256,6 +256,29 @@ def test_the_reconciler_forgets_groups_whose_job_ended(store, settings):
     assert store.conn.hlen(keys.GROUPS_INDEX) == 0
 
 
+def test_a_group_tracked_for_a_job_not_yet_admitted_is_kept_until_the_lease_time(
+    store, settings
+):
+    """The dispatcher tracks a group before it admits the job, so that a dispatcher killed in
+    between leaves a queued job (RQ admits it again), never an admitted one nobody watches."""
+    job = new_job(store)
+    group = GroupSpec(
+        group_id="g1",
+        job_id=job,
+        model="random:tiny-llama",
+        nodes=["n0"],
+        addresses=["127.0.0.1:30000"],
+    )
+    track_group(store.conn, group)  # the job is still queued: its admission is in flight
+    assert reconcile(store.conn, settings) == []
+    assert store.conn.hexists(keys.GROUPS_INDEX, "g1")
+    stale = {"group": group.model_dump(mode="json"), "admitted_at": time.time() - 60}
+    store.conn.hset(keys.GROUPS_INDEX, "g1", json.dumps(stale))  # its dispatcher died then
+    assert reconcile(store.conn, settings) == []
+    assert not store.conn.hexists(keys.GROUPS_INDEX, "g1")
+    assert store.get(job).state == JobState.QUEUED
+
+
 def test_a_group_entry_changed_since_it_was_read_is_not_forgotten(store, settings):
     """The reconciler read a warm group's entry for its finished job; the dispatcher then
     handed the group its next job. Dropping the entry now would leave that job unwatched."""
