@@ -256,9 +256,7 @@ def test_the_reconciler_forgets_groups_whose_job_ended(store, settings):
     assert store.conn.hlen(keys.GROUPS_INDEX) == 0
 
 
-def test_a_group_tracked_for_a_job_not_yet_admitted_is_kept_until_the_lease_time(
-    store, settings
-):
+def test_a_group_tracked_for_a_job_not_yet_admitted_is_kept_until_the_lease_time(store, settings):
     """The dispatcher tracks a group before it admits the job, so that a dispatcher killed in
     between leaves a queued job (RQ admits it again), never an admitted one nobody watches."""
     job = new_job(store)
