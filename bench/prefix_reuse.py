@@ -140,6 +140,11 @@ def with_rank_environment() -> None:
         os.execve(sys.executable, [sys.executable, "-m", "bench.prefix_reuse", *sys.argv[1:]], env)
 
 
+def service_env(cache_bytes: int | None, kv_layout: str | None) -> dict[str, str]:
+    env = {} if cache_bytes is None else {"RINGQ_CACHE_BYTES": str(cache_bytes)}
+    return env if kv_layout is None else {**env, "RINGQ_KV_LAYOUT": kv_layout}
+
+
 @click.command()
 @click.option("--model", default="smollm2", show_default=True)
 @click.option("--questions", default=8, show_default=True)
@@ -150,6 +155,13 @@ def with_rank_environment() -> None:
 @click.option("--nodes", default=1, show_default=True, help="Service: node agents.")
 @click.option("--doc-tokens", default=0, help="Service: a document of this many bytes (0: demo).")
 @click.option("--cache-bytes", default=None, type=int, help="Service: RINGQ_CACHE_BYTES.")
+@click.option(
+    "--first-ring",
+    default=1,
+    show_default=True,
+    help="Service: the first question on a ring of this many nodes, the rest single.",
+)
+@click.option("--kv-layout", default=None, help="Service: RINGQ_KV_LAYOUT (e.g. sharded).")
 @click.option("--timeout-s", default=1800.0, show_default=True)
 def main(
     model: str,
@@ -161,19 +173,28 @@ def main(
     nodes: int,
     doc_tokens: int,
     cache_bytes: int | None,
+    first_ring: int,
+    kv_layout: str | None,
     timeout_s: float,
 ) -> None:
+    if first_ring > nodes:
+        raise click.BadParameter(f"a ring of {first_ring} needs --nodes {first_ring} or more")
+    started = {"command": " ".join(["python -m bench.prefix_reuse", *sys.argv[1:]]),
+               "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "load_before": os.getloadavg()}  # fmt: skip
     if not service:
         with_rank_environment()
         result = engine_level(model, questions, max_tokens, chunk_tokens)
     else:
-        env = {} if cache_bytes is None else {"RINGQ_CACHE_BYTES": str(cache_bytes)}
+        env = service_env(cache_bytes, kv_layout)
         runs = service_level(model, document_of(doc_tokens), QUESTIONS[:questions], max_tokens,
-                             nodes, timeout_s, env)  # fmt: skip
+                             nodes, timeout_s, env, first_ring)  # fmt: skip
         setup = {"mode": "service", "model": model, "questions": questions, "nodes": nodes,
-                 "doc_tokens": doc_tokens, "max_tokens": max_tokens}  # fmt: skip
+                 "first_ring": first_ring, "env": env, "doc_tokens": doc_tokens,
+                 "max_tokens": max_tokens}  # fmt: skip
         summed = summary(runs["off"], runs["off_total_s"], runs["on"], runs["on_total_s"])
         result = {**setup, **summed, "off": runs["off"], "on": runs["on"]}
+    result = {**started, "load_after": os.getloadavg(), **result}
     out = out or RESULTS / f"prefix-reuse-{result['mode']}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     keys = ("off_total_s", "on_total_s", "speedup", "one_prefill_plus_decodes_s", "on_over_ideal",

@@ -34,15 +34,15 @@ def finished(store: JobStore, job_ids: list[str], timeout_s: float) -> list[JobR
 
 
 def run_cluster(specs: list[JobSpec], env: dict[str, str], nodes: int, at_once: bool,
-                timeout_s: float) -> tuple[list[JobRecord], float]:  # fmt: skip
+                timeout_s: float) -> tuple[list[JobRecord], float, float]:  # fmt: skip
+    """The jobs' records, the makespan (first submit to last finish) and its unix start."""
     with tempfile.TemporaryDirectory(prefix="ringq-pb-", dir="/tmp") as home:
         settings = Settings(home=Path(home), redis_url=None)
         with LocalCluster(settings, nodes, name_prefix="pb", extra_env=env) as cluster:
             cluster.wait_ready()
             store = JobStore(connect(cluster.url))
-            warm = enqueue_jobs(store.conn, [(new_job_id(), warm_up_spec(specs[0]))])
-            finished(store, [warm[0].id], timeout_s)  # load the model and compile once
-            started = time.perf_counter()
+            warm_up(store, specs, timeout_s)
+            started, started_unix = time.perf_counter(), time.time()
             if at_once:
                 ids = [r.id for r in enqueue_jobs(store.conn, [(new_job_id(), s) for s in specs])]
                 records = finished(store, ids, timeout_s)
@@ -51,25 +51,39 @@ def run_cluster(specs: list[JobSpec], env: dict[str, str], nodes: int, at_once: 
                 for spec in specs:
                     [record] = enqueue_jobs(store.conn, [(new_job_id(), spec)])
                     records += finished(store, [record.id], timeout_s)
-            return records, time.perf_counter() - started
+            return records, time.perf_counter() - started, started_unix
 
 
-def warm_up_spec(spec: JobSpec) -> JobSpec:
-    """A short job on the same model and layout (its own document: it keeps nothing useful)."""
-    return spec.model_copy(update={"document": "Warm up. " * 8, "max_tokens": 2})
+def warm_up(store: JobStore, specs: list[JobSpec], timeout_s: float) -> None:
+    """Load the model and compile once in a warm group of every layout the specs ask for: short
+    jobs on their own document (they keep nothing the questions can use)."""
+    layouts = {(s.sharding, s.ring_size): s for s in specs}
+    for spec in layouts.values():
+        warm = spec.model_copy(update={"document": "Warm up. " * 8, "max_tokens": 2})
+        [record] = enqueue_jobs(store.conn, [(new_job_id(), warm)])
+        finished(store, [record.id], timeout_s)
 
 
-def row(record: JobRecord) -> dict[str, Any]:
-    result = record.result
-    assert result is not None
+def row(record: JobRecord, started: float) -> dict[str, Any]:
+    """One job's figures; `*_at_s` are seconds since the run's first submit (unix clock)."""
+    result, placement = record.result, record.placement
+    assert result is not None and placement is not None
+    began = result.prefill_started_at or record.created_at
     return {"job": record.id, "prompt_tokens": result.prompt_tokens,
-            "cached_tokens": result.cached_tokens, "prefill_s": result.prefill_s,
-            "decode_s": result.decode_s, "text": result.text,
-            "placement": record.placement.nodes if record.placement else None}  # fmt: skip
+            "cached_tokens": result.cached_tokens, "cache_source": result.cache_source,
+            "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+            "submitted_at_s": round(record.created_at - started, 3),
+            "prefill_started_at_s": round(began - started, 3),
+            "finished_at_s": round(record.updated_at - started, 3),
+            "text": result.text, "placement": placement.nodes, "layout": placement.strategy,
+            "group": placement.group_id, "warm": placement.warm}  # fmt: skip
 
 
-def service_level(model: str, document: str, questions: list[str], max_tokens: int, nodes: int,
-                  timeout_s: float, env: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+def question_specs(
+    model: str, document: str, questions: list[str], max_tokens: int, first_ring: int
+) -> list[JobSpec]:
+    """One job per question, single node; with `first_ring` > 1 the first on a ring of that
+    many nodes (the others then start from the ring's kept KV, resharded for one node)."""
     specs = [
         JobSpec(
             kind=JobKind.GENERATE,
@@ -81,7 +95,27 @@ def service_level(model: str, document: str, questions: list[str], max_tokens: i
         )  # fmt: skip
         for q in questions
     ]
-    off, off_s = run_cluster(specs, {**env, "RINGQ_PREFIX_CACHE": "off"}, nodes, False, timeout_s)
-    on, on_s = run_cluster(specs, {**env, "RINGQ_PREFIX_CACHE": "on"}, nodes, True, timeout_s)
-    return {"off": [row(r) for r in off], "on": [row(r) for r in on], "off_total_s": off_s,
-            "on_total_s": on_s}  # fmt: skip
+    if first_ring > 1:
+        ring = {"sharding": Sharding.RING, "ring_size": first_ring}
+        specs[0] = specs[0].model_copy(update=ring)
+    return specs
+
+
+def service_level(
+    model: str,
+    document: str,
+    questions: list[str],
+    max_tokens: int,
+    nodes: int,
+    timeout_s: float,
+    env: dict[str, str],
+    first_ring: int = 1,
+) -> dict[str, Any]:
+    specs = question_specs(model, document, questions, max_tokens, first_ring)
+    runs: dict[str, Any] = {}
+    for mode, at_once in (("off", False), ("on", True)):
+        mode_env = {**env, "RINGQ_PREFIX_CACHE": mode}
+        records, total_s, started = run_cluster(specs, mode_env, nodes, at_once, timeout_s)
+        runs[mode] = [row(r, started) for r in records]
+        runs[f"{mode}_total_s"] = total_s
+    return runs

@@ -60,6 +60,7 @@ class Place:
     reason: str
     reuse: GroupSpec | None = None  # an idle warm group of this plan's shape
     held_bytes: int = 0  # what `reuse` holds per node now
+    job_bytes_per_node: int | None = None  # the job's own need, when bytes_per_node is more
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,8 @@ def plan_warm(
         plan = group_plan(job, cluster, chosen.layout, group.nodes, chosen.chunk_tokens, settings)
         if runs_like(group, job, plan):
             need = max(held, chosen.bytes_per_node)
-            return Place(plan, need, reason + "; reusing warm group", group, held)
+            warm = reason + "; reusing warm group"
+            return Place(plan, need, warm, group, held, chosen.bytes_per_node)
     return None
 
 

@@ -251,6 +251,7 @@ class Dispatcher:
             nodes=list(group.nodes),
             group_id=group.group_id,
             bytes_per_node=max(place.bytes_per_node, place.held_bytes),
+            job_bytes_per_node=place.job_bytes_per_node or place.bytes_per_node,
             warm=place.reuse is not None,
             reason=place.reason,
             chunk_tokens=place.plan.chunk_tokens,

@@ -109,6 +109,7 @@ class Placement(_Message):
     nodes: list[str]
     group_id: str
     bytes_per_node: int
+    job_bytes_per_node: int | None = None  # the job's own estimate; the rest: the memory tier's
     warm: bool = False  # ran on a group that was already loaded (a previous job's)
     reason: str | None = None  # why the dispatcher chose this layout (shown by `ringq status`)
     chunk_tokens: int | None = None  # the job's prefill chunk (admission.group_plan); None: 512

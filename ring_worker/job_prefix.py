@@ -11,6 +11,7 @@ from jobs.schemas import GroupSpec, JobSpec
 from jobs.settings import Settings
 from ring_worker.engine import Engine, PrefillResult
 from ring_worker.job_io import JobIO, RedisJobIO
+from ring_worker.memory_tier import memory_room_bytes
 from ring_worker.prefix_reuse import RankPrefixCache, Reuse, rank_prefix_cache
 
 log = logging.getLogger(__name__)
@@ -28,14 +29,26 @@ def open_prefix_cache(
     )  # fmt: skip
 
 
+def memory_room(io: JobIO) -> int | None:
+    """Room for the memory tier beside this job in its group's reservation
+    (ring_worker/memory_tier.py); None for `ringq run`."""
+    if not isinstance(io, RedisJobIO):
+        return None
+    return memory_room_bytes(io.store.get(io.job_id).placement)
+
+
 def starting_point(
     prefix: RankPrefixCache | None,
     engine: Engine,
     spec: JobSpec,
     tokens: list[int],
     automatic: bool,
+    room_bytes: int | None = None,
 ) -> Reuse | None:
-    """The kept prefix this job's prefill continues, if any (every rank gets the same answer)."""
+    """The kept prefix this job's prefill continues, if any (every rank gets the same answer);
+    the memory tier is bounded by `room_bytes` before the prefill starts."""
+    if prefix is not None and (spec.cache_from is not None or not automatic):
+        prefix.bound_memory(room_bytes)
     if spec.cache_from is not None:
         if prefix is None:
             raise InvalidJobError("cache_from needs the service (ringq submit)")
@@ -46,7 +59,7 @@ def starting_point(
                 "(dropped or evicted: see `ringq cache list`)"
             )
         return found
-    return prefix.find(engine, tokens) if prefix is not None and automatic else None
+    return prefix.find(engine, tokens, room_bytes) if prefix is not None and automatic else None
 
 
 def keep_after(

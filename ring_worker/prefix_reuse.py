@@ -29,6 +29,7 @@ from jobs.prefix_index import PrefixIndex, model_key
 from ring_worker.cache_store import CacheStore, node_store, read_cache_file
 from ring_worker.engine import Engine, PrefillResult
 from ring_worker.kv_reshard import ShardKV, build_cache, cache_arrays, clip_ranges, even_split
+from ring_worker.memory_tier import merge_adjacent, pinned_bytes, room_text
 
 log = logging.getLogger(__name__)
 Ranges = list[tuple[int, int]]
@@ -74,6 +75,7 @@ class InMemory:
     tokens: list[int]
     layers: list[tuple[Any, Any]]  # (keys, values) per layer of this rank, in cache order
     ranges: Ranges
+    bytes: int = 0  # what it keeps alive (ring_worker/memory_tier.py)
 
     def reuse(self, view: RankView, tokens: list[int]) -> Reuse | None:
         reuse = exact_reuse_tokens(self.tokens, tokens)
@@ -241,14 +243,30 @@ class RankPrefixCache:
     model_key: str
     memory: InMemory | None = None
 
-    def find(self, engine: Engine, tokens: list[int]) -> Reuse | None:
+    def find(
+        self, engine: Engine, tokens: list[int], room_bytes: int | None = None
+    ) -> Reuse | None:
         """This rank's part of the kept prefix every rank of the group can use, if any: the
-        one in memory when it covers at least what the index offers (no file to read)."""
+        one in memory when it covers at least what the index offers (no file to read). The
+        memory tier is then bounded by `room_bytes` (ring_worker/memory_tier.py)."""
         in_memory = self.memory.reuse(self.view, tokens) if self.memory is not None else None
         kept_blocks = self.index.match(self.model_key, tokens).tokens
         if in_memory is not None and in_memory.tokens >= kept_blocks:
-            return agree_on_reuse(engine, in_memory)
+            found = agree_on_reuse(engine, in_memory)
+            self.bound_memory(0 if found is not None else room_bytes)  # now the job's own KV
+            return found
+        self.bound_memory(room_bytes)
         return agree_on_reuse(engine, find_reuse(self.index, self.model_key, tokens, self.view))
+
+    def bound_memory(self, room_bytes: int | None) -> None:
+        """Drop the memory copy if it is larger than `room_bytes` (None: unbounded); a kept
+        prefix's files stay on disk."""
+        memory = self.memory
+        if memory is None or room_bytes is None or memory.bytes <= room_bytes:
+            return
+        self.memory = None
+        log.info("rank %d: job %s's prompt KV (%d bytes) left memory: %s", self.view.rank,
+                 memory.entry_id, memory.bytes, room_text(room_bytes))  # fmt: skip
 
     def find_entry(self, engine: Engine, entry_id: str, tokens: list[int]) -> Reuse | None:
         """The named entry (`--cache-from JOB`), if every rank can use it."""
@@ -270,12 +288,14 @@ class RankPrefixCache:
     ) -> None:
         """Hold the prompt's KV for the next job (views of the live cache's buffers where its
         positions are contiguous: single, replicated, pipeline)."""
+        positions = merge_adjacent(positions)
         keep = clip_ranges(positions, len(tokens))
         self.memory = None
         if keep:
             layers = cache_arrays(cache, positions, keep)
             mx.eval(layers)
-            self.memory = InMemory(entry_id, list(tokens), layers, keep)
+            held = pinned_bytes(cache, layers, view=len(keep) == 1)
+            self.memory = InMemory(entry_id, list(tokens), layers, keep, held)
 
     def forget(self) -> None:
         self.memory = None

@@ -28,7 +28,7 @@ from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
 from ring_worker.group import join_group
 from ring_worker.job_io import FileJobIO, JobIO, RedisJobIO
-from ring_worker.job_prefix import keep_after, open_prefix_cache, starting_point
+from ring_worker.job_prefix import keep_after, memory_room, open_prefix_cache, starting_point
 from ring_worker.models import load_for_this_device
 from ring_worker.pipeline import keep_stage
 from ring_worker.prefix_reuse import RankPrefixCache, describe_source
@@ -91,7 +91,7 @@ def run_job(
     lead = ctx.lead
     spec, tokens = io.spec(), io.tokens()
     automatic = ctx.settings.prefix_cache == "on"
-    start = starting_point(prefix, engine, spec, tokens, automatic)
+    start = starting_point(prefix, engine, spec, tokens, automatic, memory_room(io))
     cache, reused = (start.cache, start.tokens) if start is not None else (None, 0)
     report = kicking(watchdog, throttled(io, lead))
     mx.reset_peak_memory()  # this job's peak: not the warm-up's, nor an earlier job's
