@@ -50,9 +50,11 @@ Placement (jobs/admit_plan.py, from a `PrefixHint` the dispatcher reads per job)
 - the ring-or-single choice counts only the tokens left to compute (a question on a kept 128K
   document runs on one node).
 
-Memory tier: a rank holds the previous job's prompt KV (one, in memory, not counted in the
-group's reservation yet); a warm group's next job on the same document starts from it without
-reading a file.
+Memory tier: a rank holds the previous job's prompt KV (one, in memory); a warm group's next job
+on the same document starts from it without reading a file. It counts against the group's
+reservation (ring_worker/memory_tier.py): beside a job it holds at most (the group's reserved
+bytes per node - that job's own estimate, both on the placement); a larger copy leaves memory
+before the prefill (its prefix stays on disk), and a job that starts from the copy takes it over.
 
 When is a prompt kept: every job's prompt KV, unless it adds less than KEEP_MIN_NEW_FRACTION of
 its prompt beyond the prefix it reused (the eight questions of one document keep the document
