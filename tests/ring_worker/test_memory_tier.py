@@ -7,8 +7,12 @@ import uuid
 
 import pytest
 
-from jobs.schemas import Placement
+from jobs.lifecycle import JobState
+from jobs.schemas import JobKind, JobSpec, Placement
+from jobs.store import JobStore
 from ring_worker.engine import Engine
+from ring_worker.job_io import RedisJobIO
+from ring_worker.job_prefix import memory_room
 from ring_worker.memory_tier import memory_room_bytes, merge_adjacent
 from ring_worker.prefix_reuse import RankPrefixCache
 from tests.ring_worker.prefix_rank import CHUNK_TOKENS, MAX_TOKENS
@@ -134,3 +138,14 @@ def test_a_job_that_starts_from_the_memory_copy_takes_it_over(model_dir, redis_c
         assert cache.memory is not None and cache.memory.tokens == second
     finally:
         forget(redis_conn, model_dir)
+
+
+def test_a_rank_reads_its_room_from_the_jobs_placement(redis_conn):
+    """What the dispatcher recorded (jobs/dispatcher.py) is what the rank bounds its tier by."""
+    store = JobStore(redis_conn)
+    job_id = f"room-{uuid.uuid4().hex[:8]}"
+    store.create(job_id, JobSpec(kind=JobKind.GENERATE, document="d", prompt="q", model="m"))
+    io = RedisJobIO(store, job_id, "g")
+    assert memory_room(io) == 0  # not placed yet
+    store.transition(job_id, JobState.ADMITTED, placement=placement(100, 60))
+    assert memory_room(io) == 40
