@@ -113,7 +113,7 @@ def run_job(
             should_stop=io.should_stop,
             stop_when=text.stop_when,
         )
-        text.close()
+        text.close(decoded.tokens)
     watchdog.kick("finishing")
     peaks = engine.gather_ints(mx.get_peak_memory())
     if spec.keep_cache:  # a pinned cache is ready when its job is: --cache-from may follow at once

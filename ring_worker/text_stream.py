@@ -117,12 +117,17 @@ class DecodeText:
         self._seen = 0
 
     def stop_when(self, tokens: list[int]) -> bool:
+        self._push(tokens)
+        return self._stop is not None and self._stop(tokens)
+
+    def close(self, tokens: list[int]) -> None:
+        """Decoding ended with `tokens` (the engine does not ask about the last one)."""
+        if self._stream is not None:
+            self._push(tokens)
+            self._stream.close()
+
+    def _push(self, tokens: list[int]) -> None:
         if self._stream is not None:
             for token in tokens[self._seen :]:
                 self._stream.push(token)
             self._seen = len(tokens)
-        return self._stop is not None and self._stop(tokens)
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
