@@ -1,10 +1,13 @@
 """Generated text published while a sequence decodes, for `stream: true` chat completions.
 
 The lead rank feeds each generated token to a TextStream, which detokenises incrementally with
-mlx-lm's NaiveStreamingDetokenizer (it decodes with the model's own tokenizer, so the text is
-exactly `tokenizer.decode` of the tokens, as the job's result is; an incomplete UTF-8 character
-is held until its last byte comes) and publishes new text through a callback, at most every
-FLUSH_INTERVAL_S or FLUSH_TOKENS tokens, so decode does not wait on Redis for every token.
+mlx-lm's NaiveStreamingDetokenizer and publishes the new text through a callback once
+FLUSH_INTERVAL_S has passed or FLUSH_TOKENS tokens have come since it last did, so decode does
+not wait on Redis for every token. The naive detokenizer decodes with the model's own tokenizer,
+so the text is exactly `tokenizer.decode` of the tokens, as the job's result is (mlx-lm's BPE and
+SPM detokenizers are faster but trim a leading space and map ids past the vocabulary to "!");
+an incomplete UTF-8 character is held until its last byte comes. Its cost is one decode of the
+current line per flush (bench/text_stream.py).
 Stop strings are honoured: text that may be the start of a stop string is held back until it
 is not, and nothing from a stop string on is ever published. `close()` publishes the rest, ending
 exactly at the job's result text.
@@ -46,7 +49,7 @@ class TextStream:
         self._flush_interval_s = flush_interval_s
         self._flush_tokens = flush_tokens
         self._detokenizer = NaiveStreamingDetokenizer(tokenizer.hf)
-        self._text = ""
+        self._newline_tokens: dict[int, bool] = {}
         self._sent = ""
         self._unsent_tokens = 0
         self._flushed_at_s = time.monotonic()
@@ -61,14 +64,23 @@ class TextStream:
         if self._stopped or token in self._tokenizer.eos_token_ids:
             return
         self._detokenizer.add_token(token)
-        # read every token, as mlx-lm does: the detokenizer closes a line as soon as it ends
-        self._text = self._detokenizer.text
         self._unsent_tokens += 1
         now = time.monotonic()
         due = now - self._flushed_at_s >= self._flush_interval_s
         if due or self._unsent_tokens >= self._flush_tokens:
-            self._flush(self._text, final=False)
+            self._flush(self._detokenizer.text, final=False)
             self._flushed_at_s, self._unsent_tokens = now, 0
+        elif self._ends_line(token):
+            # The detokenizer re-decodes the current line when read, and closes the line when
+            # what it reads ends with a newline: read it right after one (mlx-lm reads it every
+            # token), or a later read could close the line with bytes after the newline in it.
+            self._detokenizer.text  # noqa: B018
+
+    def _ends_line(self, token: int) -> bool:
+        known = self._newline_tokens.get(token)
+        if known is None:
+            known = self._newline_tokens[token] = "\n" in self._tokenizer.decode([token])
+        return known
 
     def close(self) -> None:
         """The sequence ended: publish the rest, up to its final text (the job's result)."""

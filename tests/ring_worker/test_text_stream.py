@@ -88,17 +88,30 @@ def test_deltas_come_every_flush_tokens_or_interval(bytes_tokenizer):
     assert deltas == ["x"] * 40
 
 
+# Newlines between pieces of multi-byte characters: where a line-by-line detokenizer can slip.
+NEWLINES_AND_PIECES = "\n€💡é A"
+
+
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("which", ["bytes", "bpe"])
+@pytest.mark.parametrize("which", ["bytes", "bpe", "newlines"])
 def test_deltas_add_up_to_the_result_text(request, which, seed):
-    """Random tokens (invalid UTF-8, lone spaces, special tokens): what is published is exactly
-    the job's result text, `decode` of the tokens cut at the first stop string."""
-    tokenizer = request.getfixturevalue(f"{which}_tokenizer")
+    """Random tokens (invalid UTF-8, lone spaces, special tokens, newlines amid split
+    characters): what is published is exactly the job's result text, `decode` of the tokens cut
+    at the first stop string."""
+    tokenizer = request.getfixturevalue(f"{'bpe' if which == 'bpe' else 'bytes'}_tokenizer")
     rng = random.Random(seed)
-    tokens = [rng.randrange(len(tokenizer.hf)) for _ in range(rng.randrange(1, 300))]
+    if which == "newlines":  # a token per byte: these bytes in any order
+        alphabet = sorted(set(tokenizer.encode(NEWLINES_AND_PIECES, add_special_tokens=False)))
+        assert len(alphabet) == len(set(NEWLINES_AND_PIECES.encode()))
+    else:
+        alphabet = list(range(len(tokenizer.hf)))
+    tokens = [rng.choice(alphabet) for _ in range(rng.randrange(1, 300))]
     text = tokenizer.decode(tokens)
     stops = [text[len(text) // 2 : len(text) // 2 + 3]] if seed % 2 and len(text) > 6 else []
-    deltas, _ = published(tokenizer, tokens, stops, flush_tokens=rng.randrange(1, 20))
+    flush_tokens = rng.randrange(1, 20)
+    deltas, _ = published(
+        tokenizer, tokens, stops, flush_tokens=flush_tokens, flush_interval_s=math.inf
+    )
     assert "".join(deltas) == cut_at_stop(text, stops)
     assert all(deltas), "no empty deltas"
 
