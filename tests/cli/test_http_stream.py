@@ -82,6 +82,20 @@ def test_the_answer_streams_in_deltas_and_equals_the_whole_answer(client, conn, 
     assert "".join(deltas) == answer
 
 
+def test_text_arrives_while_the_job_still_decodes(client, base_url):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4000, stream=True, **SAMPLED
+    )
+    with stream:
+        chunks = iter(stream)
+        job_id = next(chunks).id.removeprefix("chatcmpl-")
+        first_text = next(c for c in chunks if c.choices and c.choices[0].delta.content)
+        job = call("GET", f"{base_url}/api/jobs/{job_id}")[1]
+    assert first_text.choices[0].finish_reason is None
+    assert job["state"] == "decode", "text came before the job finished"
+    assert job["progress"]["processed"] < 4000
+
+
 def test_text_from_a_stop_string_on_is_never_sent(client, conn):
     answer = whole_answer(client, SAMPLED)
     start = next(
