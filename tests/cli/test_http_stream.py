@@ -5,10 +5,12 @@ repeated, so the tests also sample (temperature 1 with a seed: the same answer e
 varied text, random bytes that are often invalid UTF-8."""
 
 from collections.abc import Iterator
+from typing import cast
 
 import openai
 import pytest
 import redis
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
 from jobs import keys
 from jobs.job_text import read_text
@@ -16,7 +18,7 @@ from jobs.redis_server import connect
 from tests.cli.http_serving import call, serving
 
 MODEL = "random:tiny-llama"
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "A document about rings and the attention they pass around. "},
     {"role": "user", "content": "What is it about?"},
 ]
@@ -54,12 +56,12 @@ def whole_answer(client: openai.OpenAI, sampling: dict) -> str:
     return text
 
 
-def streamed(client: openai.OpenAI, **options) -> tuple[str, list[str], list]:
+def streamed(client: openai.OpenAI, **options) -> tuple[str, list[str], list[ChatCompletionChunk]]:
     """(job id, the content of each chunk that has some, every chunk)."""
     stream = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=ANSWER_TOKENS, stream=True, **options
     )
-    chunks = list(stream)
+    chunks = list(cast(openai.Stream[ChatCompletionChunk], stream))
     contents = [c.choices[0].delta.content for c in chunks if c.choices]
     return chunks[0].id.removeprefix("chatcmpl-"), [c for c in contents if c], chunks
 
