@@ -6,7 +6,9 @@ being where `text` starts in that attempt's text. A reader keeps what it has sen
 each entry only what lies beyond it, so a retried attempt (another group, starting again at
 offset 0) repeats nothing, and entries trimmed by the MAXLEN cap show as a gap that the job's
 result fills once it is final. The stream is capped (MAXLEN) and expires when the job's record
-does. Nothing here is unpickled: entries are plain strings, checked by a pydantic model."""
+does, or TEXT_KEEP_AFTER_END_S after the job ends if that is sooner (a reader that comes later
+reads the result). Nothing here is unpickled: entries are plain strings, checked by a pydantic
+model."""
 
 import time
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from jobs import keys
 
 TEXT_STREAM_MAXLEN = 4096  # entries kept per job (approximate trim); a flush every ~50 ms
+TEXT_KEEP_AFTER_END_S = 3600  # the text is in the job's result too: do not keep it twice for long
 
 
 class TextDelta(BaseModel):
@@ -48,6 +51,17 @@ def expire_at_job(conn: redis.Redis, job_id: str, default_ttl_s: int) -> int:
     if ttl_ms <= 0:
         ttl_ms = default_ttl_s * 1000
     return int(time.time() * 1000) + ttl_ms
+
+
+def end_text(conn: redis.Redis, job_id: str) -> None:
+    """The job ended: its stream goes TEXT_KEEP_AFTER_END_S from now, or with its record."""
+    key = keys.job_text(job_id)
+    ttl_ms: Any = conn.pttl(key)
+    if ttl_ms == -2:  # no stream: the job generated no text (or did not stream it)
+        return
+    keep_ms = TEXT_KEEP_AFTER_END_S * 1000
+    if ttl_ms < 0 or ttl_ms > keep_ms:
+        conn.pexpire(key, keep_ms)
 
 
 def read_text(

@@ -11,7 +11,7 @@ from typing import Optional, Protocol
 from admission.group_plan import CPU_CHUNK_TOKENS
 from jobs.cancel import cancel_requested, mark_cancelled
 from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundError
-from jobs.job_text import TextDelta, append_text, expire_at_job
+from jobs.job_text import TextDelta, append_text, end_text, expire_at_job
 from jobs.lifecycle import JobState
 from jobs.recovery import report_group_failure
 from jobs.schemas import GroupSpec, JobResult, JobSpec, Progress
@@ -134,6 +134,7 @@ class RedisJobIO:
         self.store.transition(
             self.job_id, JobState.FINISHED, group_id=self.group_id, result=result, progress=done
         )
+        end_text(self.store.conn, self.job_id)
 
     def fail(self, reason: str, retry: bool = True) -> None:
         report_group_failure(self.store.conn, self.group_id, reason, retry)
@@ -148,6 +149,7 @@ class RedisJobIO:
 
     def cancelled(self, reason: str, partial: JobResult | None = None) -> None:
         mark_cancelled(self.store, self.job_id, reason, partial)
+        end_text(self.store.conn, self.job_id)
 
 
 class FileJobIO:

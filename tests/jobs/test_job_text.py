@@ -4,7 +4,15 @@ RedisJobIO.text, what a reader follows, its cap and its expiry."""
 import pytest
 
 from jobs import keys
-from jobs.job_text import TEXT_STREAM_MAXLEN, TextDelta, TextFollower, append_text, read_text
+from jobs.job_text import (
+    TEXT_KEEP_AFTER_END_S,
+    TEXT_STREAM_MAXLEN,
+    TextDelta,
+    TextFollower,
+    append_text,
+    end_text,
+    read_text,
+)
 from jobs.schemas import JobKind, JobSpec
 from jobs.store import JobStore
 from ring_worker.job_io import RedisJobIO
@@ -48,6 +56,19 @@ def test_the_stream_expires_with_the_job(store):
     RedisJobIO(store, job_id, "g1").text("some text")
     ttl_ms = store.conn.pttl(keys.job_text(job_id))
     assert 45_000 <= ttl_ms <= 50_000
+
+
+def test_the_stream_is_kept_an_hour_after_its_job_ends(store):
+    job_id = new_job(store)
+    RedisJobIO(store, job_id, "g1").text("some text")
+    end_text(store.conn, job_id)
+    ttl_ms = store.conn.pttl(keys.job_text(job_id))
+    assert TEXT_KEEP_AFTER_END_S * 1000 - 5000 <= ttl_ms <= TEXT_KEEP_AFTER_END_S * 1000
+    store.conn.pexpire(keys.job_text(job_id), 10_000)  # sooner already: left so
+    end_text(store.conn, job_id)
+    assert store.conn.pttl(keys.job_text(job_id)) <= 10_000
+    end_text(store.conn, "no-text")
+    assert not store.conn.exists(keys.job_text("no-text")), "no stream made for a job without"
 
 
 def test_the_stream_is_capped(store):
