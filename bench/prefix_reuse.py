@@ -5,10 +5,13 @@ in one run, with the answers checked to be identical.
     python -m bench.prefix_reuse --service           # the same as jobs through a local service
     python -m bench.prefix_reuse --service --model random:llama-3.1-8b --doc-tokens 130000 \
         --cache-bytes 40000000000                    # one H200: a 128K document x 8 questions
+    python -m bench.prefix_reuse --service --nodes 2 --first-ring 2 --kv-layout sharded
+                                                     # the first on ring-2, the rest single
 
 Engine level runs the rank's own code path (jobs/prefix_index.py, ring_worker/prefix_reuse.py,
 a real Redis and real files), without the queue. Goal (issue 15): total with reuse <= 1.3 x (one
-prefill + the 8 decodes), both measured with the cache off. Writes bench/results/prefix-reuse*.json.
+prefill + the 8 decodes), both measured with the cache off. Writes bench/results/prefix-reuse*.json
+(results and commands: bench/results/prefix-reuse.md).
 """
 
 import json
