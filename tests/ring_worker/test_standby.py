@@ -29,5 +29,12 @@ def test_new_groups_start_on_spare_ranks(tiny_llama_dir):
             record = wait_for(lambda job_id=job_id: final_record(store, job_id), f"job {job_id}")
             assert record.state == JobState.FINISHED, record.error
             assert record.placement is not None
-            text = rank_log(cluster, record.placement, 0)
-            assert "a spare rank took it" in text and "rank 0: done" in text
+            placement = record.placement
+
+            # the rank logs "done" just after it writes the result: wait for the line
+            def logged_done(placement=placement) -> str:
+                text = rank_log(cluster, placement, 0)
+                return text if "rank 0: done" in text else ""
+
+            text = wait_for(logged_done, "the rank's last log line")
+            assert "a spare rank took it" in text
