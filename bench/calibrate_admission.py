@@ -23,7 +23,7 @@ from admission.estimate import KVLayout, Layout, Strategy, estimate_node_bytes
 from admission.group_plan import default_chunk_tokens
 from cli.bench import build_prompts
 from jobs.model_catalog import default_dtype, read_model_shape, resolve_model
-from jobs.schemas import JobKind, JobSpec, Sharding
+from jobs.schemas import JobKind, JobSpec
 from jobs.settings import get_settings
 from ring_worker.local_group import run_local
 
@@ -45,8 +45,8 @@ def measure(model: str, pp: int, layout: Layout, chunk_tokens: int, scratch: Pat
         kind=JobKind.PREFILL,
         document=f"calibration prompt of {pp} tokens",
         model=model,
-        ring_size=layout.size,
-        sharding=Sharding(layout.strategy),
+        ranks=layout.size,
+        strategy=layout.strategy,
     )
     result = run_local(
         f"calibrate-{layout.strategy}-{layout.size}",

@@ -11,7 +11,7 @@ from typing import Any
 from cli.services import LocalCluster
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
-from jobs.schemas import JobKind, JobRecord, JobSpec, Sharding
+from jobs.schemas import JobKind, JobRecord, JobSpec
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import enqueue_jobs, new_job_id
@@ -77,7 +77,7 @@ def service_level(model: str, document: str, questions: list[str], max_tokens: i
             prompt=q,
             model=model,
             max_tokens=max_tokens,
-            sharding=Sharding.SINGLE,
+            strategy="single",
         )  # fmt: skip
         for q in questions
     ]

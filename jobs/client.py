@@ -14,16 +14,18 @@ with a message a user can act on; a Redis that cannot be reached raises RedisUna
 
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import redis
 
+from admission.vocabulary import StrategyChoice
 from jobs.errors import InvalidJobError, JobFailedError, JobNotFinishedError, RedisUnavailableError
 from jobs.lifecycle import JobState
 from jobs.listing import BatchSummary, JobSummary, list_batches, list_jobs
-from jobs.schemas import BatchRecord, JobKind, JobRecord, JobResult, JobSpec, NodeInfo, Sharding
+from jobs.schemas import BatchRecord, JobKind, JobRecord, JobResult, JobSpec, NodeInfo
 from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
 
@@ -73,15 +75,18 @@ class Client:
         temperature: float = 0.0,
         stop: list[str] | None = None,
         seed: int | None = None,
-        ring_size: int | Literal["auto"] = "auto",
-        sharding: Sharding | str = Sharding.AUTO,
+        ranks: int | Literal["auto"] = "auto",
+        strategy: StrategyChoice = "auto",
         job_id: str | None = None,
         keep_cache: bool = False,
         cache_from: str | None = None,
+        ring_size: int | Literal["auto"] | None = None,
+        sharding: StrategyChoice | None = None,
     ) -> JobRecord:
         """Enqueue one job; returns its record (state queued). `document` is the text itself
         (a str) or a file to read (a pathlib.Path / os.PathLike). A generate job without
-        `prompt` summarises the document (schemas.DEFAULT_GENERATE_PROMPT)."""
+        `prompt` summarises the document (schemas.DEFAULT_GENERATE_PROMPT). `ring_size` and
+        `sharding` are the deprecated names of `ranks` and `strategy`."""
         from jobs.submit import submit_job  # imports rq: only the commands that enqueue pay
 
         text, name = _document(document)
@@ -95,8 +100,8 @@ class Client:
             temperature=temperature,
             stop=stop or [],
             seed=seed,
-            ring_size=ring_size,
-            sharding=Sharding(sharding),
+            ranks=_renamed("ring_size", ring_size, "ranks", ranks),
+            strategy=_renamed("sharding", sharding, "strategy", strategy),
             keep_cache=keep_cache,
             cache_from=cache_from,
         )
@@ -247,3 +252,15 @@ def _document(document: str | os.PathLike[str]) -> tuple[str, str]:
         return data.decode("utf-8-sig"), printable_name(path)
     except UnicodeDecodeError as exc:
         raise InvalidJobError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+Value = TypeVar("Value")
+
+
+def _renamed(old: str, old_value: Value | None, new: str, value: Value) -> Value:
+    """A keyword argument under its old name: it still works, with a DeprecationWarning."""
+    if old_value is None:
+        return value
+    message = f"Client.submit({old}=...) is deprecated, use {new}=..."
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return old_value

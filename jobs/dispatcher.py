@@ -247,7 +247,7 @@ class Dispatcher:
         return Placement(
             strategy=group.strategy,
             kv_layout=group.kv_layout,
-            ring_size=group.ranks,
+            ranks=group.ranks,
             nodes=list(group.nodes),
             group_id=group.group_id,
             bytes_per_node=max(place.bytes_per_node, place.held_bytes),

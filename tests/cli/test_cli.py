@@ -43,8 +43,8 @@ def test_run_ring_and_single_agree(doc, tiny_llama_dir):
         "--chunk-tokens",
         "64",
     ]
-    ring = json.loads(ringq("run", *common, "--sharding", "ring", "--ring-size", "2").stdout)
-    single = json.loads(ringq("run", *common, "--sharding", "single").stdout)
+    ring = json.loads(ringq("run", *common, "--strategy", "ring", "--ranks", "2").stdout)
+    single = json.loads(ringq("run", *common, "--strategy", "single").stdout)
     for payload in (ring, single):
         assert {
             "id",
@@ -56,7 +56,7 @@ def test_run_ring_and_single_agree(doc, tiny_llama_dir):
             "generation_tps",
             "peak_memory_bytes",
         } <= payload.keys()
-    assert ring["state"] == "finished" and ring["ring_size"] == 2
+    assert ring["state"] == "finished" and ring["ranks"] == 2
     assert len(ring["peak_memory_bytes"]) == 2 and len(single["peak_memory_bytes"]) == 1
     assert ring["text"] == single["text"] and ring["prompt_tokens"] == single["prompt_tokens"]
 
@@ -69,7 +69,7 @@ def test_run_ring_and_single_agree(doc, tiny_llama_dir):
         (b"   \n", ["run", "prefill", "{file}"], "empty"),
         (b"text", ["run", "prefill", "{file}", "--model", "gpt-17"], "gpt-17"),
         (b"text", ["run", "generate", "{file}", "--max-tokens", "0"], "max_tokens"),
-        (b"text", ["submit", "prefill", "{file}", "--ring-size", "two"], "ring-size"),
+        (b"text", ["submit", "prefill", "{file}", "--ranks", "two"], "ranks"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr(tmp_path, setup, args, message):
@@ -95,7 +95,7 @@ def test_submit_status_result_against_a_running_cluster(cluster, doc, tiny_llama
         "Where?",
         "--max-tokens",
         "6",
-        "--ring-size",
+        "--ranks",
         "2",
         "--id",
         "cli-job-1",
@@ -106,7 +106,7 @@ def test_submit_status_result_against_a_running_cluster(cluster, doc, tiny_llama
     watched = ringq("status", "cli-job-1", "--watch", "--json", env_extra=env)
     status = json.loads(watched.stdout)
     assert status["state"] == "finished", status
-    assert status["placement"]["strategy"] == "ring" and status["placement"]["ring_size"] == 2
+    assert status["placement"]["strategy"] == "ring" and status["placement"]["ranks"] == 2
     assert {"id", "kind", "state", "progress", "placement", "error"} <= status.keys()
     result = json.loads(ringq("result", "cli-job-1", "--json", env_extra=env).stdout)
     assert result["state"] == "finished" and result["generated_tokens"] >= 1
@@ -126,7 +126,7 @@ def assert_stop_string_ends_the_text(env, doc, model_dir, text: str) -> None:
     stop = text.strip()[len(text.strip()) // 2]
     submitted = ringq(
         *("submit", "generate", str(doc), "--model", str(model_dir), "--prompt", "Where?"),
-        *("--max-tokens", "6", "--ring-size", "2", "--stop", stop, "--seed", "1"),
+        *("--max-tokens", "6", "--ranks", "2", "--stop", stop, "--seed", "1"),
         env_extra=env,
     )
     assert submitted.returncode == 0, submitted.stderr

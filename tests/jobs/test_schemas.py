@@ -11,7 +11,7 @@ def spec(**overrides):
 
 def test_defaults():
     job = spec()
-    assert job.model == "smollm2" and job.ring_size == "auto" and job.temperature == 0.0
+    assert job.model == "smollm2" and job.ranks == "auto" and job.temperature == 0.0
 
 
 @pytest.mark.parametrize(
@@ -23,10 +23,10 @@ def test_defaults():
         ({"max_tokens": 0}, "greater than or equal to 1"),
         ({"max_tokens": 10**9}, "less than or equal"),
         ({"temperature": -1}, "greater than or equal to 0"),
-        ({"ring_size": 0}, "ring_size"),
-        ({"ring_size": "many"}, "ring_size"),
+        ({"ranks": 0}, "ranks"),
+        ({"ranks": "many"}, "ranks"),
         ({"kind": "train"}, "kind"),
-        ({"sharding": "single", "ring_size": 3}, "single"),
+        ({"strategy": "single", "ranks": 3}, "single"),
         ({"surprise": 1}, "Extra inputs"),
     ],
 )

@@ -22,7 +22,7 @@ def test_new_groups_start_on_spare_ranks(tiny_llama_dir):
             document="A spare rank takes the job. " * 20,
             model=str(tiny_llama_dir),
             max_tokens=4,
-            ring_size=1,
+            ranks=1,
         )
         ids = [submit_job(conn, spec).id for _ in range(2)]
         for job_id in ids:
