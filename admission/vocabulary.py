@@ -12,7 +12,7 @@
 from typing import Literal
 
 Strategy = Literal["single", "ring", "pipeline"]
-StrategyChoice = Literal["auto"] | Strategy
+StrategyChoice = Literal["auto", Strategy]
 KVLayout = Literal["replicated", "sharded"]
 Exchange = Literal["rotate", "allgather"]
 Transport = Literal["ring", "nccl"]

@@ -6,6 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+from jobs import keys
 
 DOCUMENT = "The Eddystone rocks lie fourteen kilometres off Plymouth. " * 30
 
@@ -140,3 +144,38 @@ def assert_stop_string_ends_the_text(env, doc, model_dir, text: str) -> None:
 def test_status_of_unknown_job(cluster):
     proc = ringq("status", "nope", env_extra={"RINGQ_REDIS_URL": cluster.url})
     assert proc.returncode == 1 and "no job 'nope'" in proc.stderr
+
+
+def test_the_old_flags_still_work_with_a_note_and_the_record_has_the_new_names(
+    redis_url, redis_conn, doc, tmp_path
+):
+    env = {"RINGQ_REDIS_URL": redis_url, "RINGQ_HOME": str(tmp_path)}
+    common = ("submit", "prefill", str(doc), "--model", "random:tiny-llama")
+    old = ringq(*common, "--sharding", "pipeline", "--ring-size", "2", env_extra=env)
+    assert old.returncode == 0, old.stderr
+    assert old.stderr.splitlines() == [
+        "--sharding is deprecated, use --strategy",
+        "--ring-size is deprecated, use --ranks",
+    ]
+    new = ringq(*common, "--strategy", "pipeline", "--ranks", "2", env_extra=env)
+    assert new.returncode == 0 and new.stderr == ""
+    for job_id in (old.stdout.strip(), new.stdout.strip()):
+        spec = json.loads(redis_conn.hget(keys.job(job_id), "spec"))
+        assert (spec["strategy"], spec["ranks"]) == ("pipeline", 2), spec
+        assert not {"sharding", "ring_size"} & spec.keys()
+    bad = ringq(*common, "--ring-size", "two", env_extra=env)
+    assert bad.returncode == 2 and "'two' is not a number or 'auto'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "new", "old"),
+    [
+        ("submit", ["--strategy", "--ranks"], ["--sharding", "--ring-size"]),
+        ("run", ["--strategy", "--ranks"], ["--sharding", "--ring-size"]),
+        ("bench", ["--strategy", "--ranks"], ["--sharding", "--ring-size"]),
+        ("demo", ["--ranks"], ["--ring-size"]),
+    ],
+)
+def test_help_shows_only_the_new_flag_names(command, new, old):
+    shown = CliRunner().invoke(cli, [command, "--help"]).output
+    assert all(flag in shown for flag in new) and not any(flag in shown for flag in old)
