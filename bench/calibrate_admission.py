@@ -40,7 +40,7 @@ LAYOUTS = [
 
 
 def measure(model: str, pp: int, layout: Layout, chunk_tokens: int, scratch: Path) -> list[int]:
-    tokens = build_prompts(model, [pp], 0)[pp]
+    tokens = build_prompts(model, [pp], 0, None)[pp]
     spec = JobSpec(
         kind=JobKind.PREFILL,
         document=f"calibration prompt of {pp} tokens",
@@ -73,7 +73,7 @@ def parse_layout(label: str) -> Layout:
 
 def predict(model: str, pp: int, layout: Layout, chunk_tokens: int, gpu: bool = False) -> int:
     """CPU ranks compute in float32 on dense weights; GPU ranks in the model's own dtype."""
-    source = resolve_model(model)
+    source = resolve_model(model, allowed_dirs=None)
     shape = read_model_shape(source, dtype=default_dtype(source) if gpu else "float32")
     return estimate_node_bytes(
         shape, pp, 0, layout, chunk_tokens, dense_weights=not gpu

@@ -10,6 +10,7 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,7 @@ def bench(
         or default_chunk_tokens(node_backend(settings.backend)),
         "timeout_s": timeout_s,
     }
-    prompts = build_prompts(config["model"], pp_list, tg)
+    prompts = build_prompts(config["model"], pp_list, tg, settings.allowed_dirs)
     report = measure(config, prompts, settings)
     write_outputs(report, json_out, plot)
     if as_json:
@@ -249,7 +250,7 @@ def measure(
 def add_mfu(report: dict[str, Any], model: str) -> None:
     """Model FLOPs utilisation of each cell's median prefill against the measured matmul peak."""
     peak = report["machine"].get("matmul_peak")
-    shape = read_model_shape(resolve_model(model))
+    shape = read_model_shape(resolve_model(model, allowed_dirs=None))  # build_prompts checked it
     for cell in report["cells"]:
         prefill = cell["prefill_s"]
         cell["mfu"] = (
@@ -259,9 +260,11 @@ def add_mfu(report: dict[str, Any], model: str) -> None:
         )
 
 
-def build_prompts(model: str, pp_list: list[int], tg: int) -> dict[int, list[int]]:
+def build_prompts(
+    model: str, pp_list: list[int], tg: int, allowed_dirs: Sequence[Path] | None
+) -> dict[int, list[int]]:
     """Exactly pp tokens per prompt length: the demo document tiled, after the tokenizer's BOS."""
-    source = resolve_model(model)
+    source = resolve_model(model, allowed_dirs=allowed_dirs)
     context_tokens = read_model_shape(source).context_length
     if max(pp_list) + tg > context_tokens:
         raise InvalidJobError(

@@ -69,7 +69,8 @@ def submit(kind, files, as_json, ranks, strategy, job_id, prompts, **options):
     else:
         from jobs.submit import enqueue_jobs, new_job_id
 
-        records = enqueue_jobs(ringq.conn, [(new_job_id(), spec) for spec in specs])
+        jobs = [(new_job_id(), spec) for spec in specs]
+        records = enqueue_jobs(ringq.conn, jobs, settings=ringq.settings)
     if not as_json:
         click.echo("\n".join(record.id for record in records))
     elif len(specs) == 1 and paths == list(files):  # one plain FILE: one object, as before

@@ -88,7 +88,7 @@ def run(
         stop=stop,
         seed=seed,
     )
-    tokens, _ = tokenize_and_check(spec)
+    tokens, _ = tokenize_and_check(spec, allowed_dirs=settings.allowed_dirs)
     job_id = new_job_id()
     console = Console(stderr=True)
     outcome = run_with_progress(

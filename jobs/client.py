@@ -39,11 +39,11 @@ def default_redis_url(settings: Settings) -> str:
     return settings.redis_url or unix_url(redis_data_dir(settings) / SOCKET_NAME)
 
 
-def connect_client(redis_url: str | None = None) -> redis.Redis:
+def connect_client(redis_url: str | None = None, settings: Settings | None = None) -> redis.Redis:
     """A checked connection (one PING); a clear RedisUnavailableError when nothing answers."""
     from jobs.redis_server import connect
 
-    settings = get_settings()
+    settings = settings or get_settings()
     if redis_url or settings.redis_url:
         return connect(redis_url or settings.redis_url or "")
     try:
@@ -58,9 +58,17 @@ def connect_client(redis_url: str | None = None) -> redis.Redis:
 class Client:
     """Submit jobs and batches, follow them, read results, list and cancel them."""
 
-    def __init__(self, redis_url: str | None = None, *, conn: redis.Redis | None = None):
-        self.conn = conn if conn is not None else connect_client(redis_url)
-        self.store = JobStore(self.conn, get_settings().job_ttl_s)
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        conn: redis.Redis | None = None,
+        settings: Settings | None = None,
+    ):
+        """`settings`: RINGQ_* of this process when not given, read once here."""
+        self.settings = settings or get_settings()
+        self.conn = conn if conn is not None else connect_client(redis_url, self.settings)
+        self.store = JobStore(self.conn, self.settings.job_ttl_s)
 
     # -- jobs ------------------------------------------------------------------------------
 
@@ -89,12 +97,12 @@ class Client:
         `sharding` are the deprecated names of `ranks` and `strategy`."""
         from jobs.submit import submit_job  # imports rq: only the commands that enqueue pay
 
-        text, name = _document(document)
+        text, name = _document(document, self.settings.max_document_bytes)
         spec = JobSpec(
             kind=JobKind(kind),
             document=text,
             document_name=name,
-            model=model or get_settings().default_model,
+            model=model or self.settings.default_model,
             prompt=prompt,
             max_tokens=max_tokens,
             temperature=temperature,
@@ -105,13 +113,13 @@ class Client:
             keep_cache=keep_cache,
             cache_from=cache_from,
         )
-        return submit_job(self.conn, spec, job_id)
+        return submit_job(self.conn, spec, job_id, self.settings)
 
     def submit_spec(self, spec: JobSpec, job_id: str | None = None) -> JobRecord:
         """Enqueue a JobSpec built by the caller."""
         from jobs.submit import submit_job
 
-        return submit_job(self.conn, spec, job_id)
+        return submit_job(self.conn, spec, job_id, self.settings)
 
     def status(self, job_id: str) -> JobRecord:
         """The job's record: state, progress, placement, result, error."""
@@ -191,12 +199,14 @@ class Client:
         from jobs.batch import submit_batch
         from jobs.batch_input import Defaults, parse_batch_file, require_valid
 
-        settings = get_settings()
-        defaults = Defaults.of(settings, model, max_tokens)
-        parsed = parse_batch_file(Path(path), defaults)
+        defaults = Defaults.of(self.settings, model, max_tokens)
+        parsed = parse_batch_file(Path(path), defaults, self.settings)
         items = require_valid(parsed, skip_invalid)
         skipped = [error.skipped() for error in parsed.errors]
-        return submit_batch(self.conn, items, parsed.input_name, batch_id=batch_id, skipped=skipped)
+        return submit_batch(
+            self.conn, items, parsed.input_name, batch_id=batch_id, skipped=skipped,
+            settings=self.settings,
+        )  # fmt: skip
 
     def batch_status(self, batch_id: str) -> Any:
         """jobs.batch.BatchCounts: total, queued, running, completed, failed, cancelled."""
@@ -236,12 +246,12 @@ class Client:
         self.close()
 
 
-def _document(document: str | os.PathLike[str]) -> tuple[str, str]:
+def _document(document: str | os.PathLike[str], max_bytes: int) -> tuple[str, str]:
     if isinstance(document, str):
         return document, "-"
     from jobs.files import printable_name, read_at_most
 
-    path, max_bytes = Path(document), get_settings().max_document_bytes
+    path = Path(document)
     try:
         data = read_at_most(path, max_bytes)
     except OSError as exc:

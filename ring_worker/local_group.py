@@ -110,7 +110,7 @@ def local_plan(
     return plan_group(
         layout,
         facts,
-        model_dtype=default_dtype(resolve_model(model)),
+        model_dtype=default_dtype(resolve_model(model, allowed_dirs=None)),  # ranks check it
         chunk_tokens=chunk_tokens or default_chunk_tokens(device),
         exchange=exchange,
     )
