@@ -29,5 +29,14 @@ def test_new_groups_start_on_spare_ranks(tiny_llama_dir):
             record = wait_for(lambda job_id=job_id: final_record(store, job_id), f"job {job_id}")
             assert record.state == JobState.FINISHED, record.error
             assert record.placement is not None
-            text = rank_log(cluster, record.placement, 0)
-            assert "a spare rank took it" in text and "rank 0: done" in text
+            text = wait_for(
+                lambda r=record: done_log(cluster, r), f"job {job_id}'s rank to log done"
+            )
+            assert "a spare rank took it" in text
+
+
+def done_log(cluster, record) -> str:
+    """Rank 0's log once it says "done" (it does after the result and after keeping the
+    prompt's KV), else ""."""
+    text = rank_log(cluster, record.placement, 0)
+    return text if "rank 0: done" in text else ""
