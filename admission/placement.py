@@ -4,7 +4,7 @@ Candidates are tried in order and the first that fits wins. Sizes: prompts short
 `ring_min_tokens` take the fewest nodes that fit; longer ones the most live nodes (fastest
 prefill), fewer if memory says so. At each size: a ring with replicated KV (every rank holds all
 weights), then a ring with sharded KV (when the replicated KV does not fit), then a pipeline (when
-the weights themselves do not fit on one node). `ring_size`, `sharding` and `kv_layout` narrow the
+the weights themselves do not fit on one node). `ranks`, `strategy` and `kv_layout` narrow the
 candidates to what the user asked for.
 """
 
@@ -14,7 +14,7 @@ from typing import cast
 from admission.estimate import Layout, MemoryEstimate, estimate_node_bytes
 from admission.group_plan import chunk_candidates
 from admission.model_shape import ModelShape
-from admission.vocabulary import KVLayout
+from admission.vocabulary import KVLayout, StrategyChoice
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class PlacementRequest:
     prompt_tokens: int
     max_new_tokens: int
     chunk_tokens: int | None  # None: per device, the largest that fits (admission.group_plan)
-    ring_size: int | None  # None: automatic
-    sharding: str  # "auto" | "ring" | "pipeline" | "single"
+    ranks: int | None  # None: automatic
+    strategy: StrategyChoice
     ring_min_tokens: int  # automatic choice: shorter prompts run on the fewest nodes
     kv_layout: str = "auto"  # "auto" | "replicated" | "sharded" (ring groups)
     preferred_nodes: tuple[str, ...] = ()  # taken first among those that fit (a kept prefix)
@@ -106,9 +106,9 @@ def layouts_of_size(request: PlacementRequest, size: int, layers: int) -> list[L
         kv_layouts = [cast(KVLayout, request.kv_layout)]
     ring = [Layout("ring", size, kv) for kv in kv_layouts]
     pipeline = [Layout("pipeline", size)] if size <= layers else []
-    if request.sharding == "ring":
+    if request.strategy == "ring":
         return ring
-    if request.sharding == "pipeline":
+    if request.strategy == "pipeline":
         if not pipeline:
             raise CannotPlace(f"a pipeline of {size} needs {size} layers; the model has {layers}")
         return pipeline
@@ -116,17 +116,17 @@ def layouts_of_size(request: PlacementRequest, size: int, layers: int) -> list[L
 
 
 def candidate_sizes(request: PlacementRequest, live: int) -> list[int]:
-    if request.sharding == "single":
+    if request.strategy == "single":
         return [1]
-    if request.ring_size is not None:
-        if request.ring_size > live:
+    if request.ranks is not None:
+        if request.ranks > live:
             raise CannotPlace(
-                f"a group of {request.ring_size} needs {request.ring_size} nodes; {live} live"
+                f"a group of {request.ranks} needs {request.ranks} nodes; {live} live"
             )
-        return [request.ring_size]
-    if request.sharding in ("ring", "pipeline"):
+        return [request.ranks]
+    if request.strategy in ("ring", "pipeline"):
         if live < 2:
-            raise CannotPlace(f"a {request.sharding} needs at least 2 nodes; {live} live")
+            raise CannotPlace(f"a {request.strategy} needs at least 2 nodes; {live} live")
         return list(range(2, live + 1))
     if request.prompt_tokens < request.ring_min_tokens or live == 1:
         return list(range(1, live + 1))

@@ -51,8 +51,8 @@ def main() -> int:
 
     cap_device_memory()
     backend = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "cpu"
-    model = load_for_this_device(resolve_model(args.model))
-    document = load_tokenizer(resolve_model(args.model)).encode(
+    model = load_for_this_device(resolve_model(args.model, allowed_dirs=None))
+    document = load_tokenizer(resolve_model(args.model, allowed_dirs=None)).encode(
         files("cli").joinpath("demo/document.md").read_text()
     )
     prompts = make_prompts(document, args.sequences, args.prompt_tokens, args.equal_lengths)

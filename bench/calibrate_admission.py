@@ -23,7 +23,7 @@ from admission.estimate import KVLayout, Layout, Strategy, estimate_node_bytes
 from admission.group_plan import default_chunk_tokens
 from cli.bench import build_prompts
 from jobs.model_catalog import default_dtype, read_model_shape, resolve_model
-from jobs.schemas import JobKind, JobSpec, Sharding
+from jobs.schemas import JobKind, JobSpec
 from jobs.settings import get_settings
 from ring_worker.local_group import run_local
 
@@ -40,13 +40,13 @@ LAYOUTS = [
 
 
 def measure(model: str, pp: int, layout: Layout, chunk_tokens: int, scratch: Path) -> list[int]:
-    tokens = build_prompts(model, [pp], 0)[pp]
+    tokens = build_prompts(model, [pp], 0, None)[pp]
     spec = JobSpec(
         kind=JobKind.PREFILL,
         document=f"calibration prompt of {pp} tokens",
         model=model,
-        ring_size=layout.size,
-        sharding=Sharding(layout.strategy),
+        ranks=layout.size,
+        strategy=layout.strategy,
     )
     result = run_local(
         f"calibrate-{layout.strategy}-{layout.size}",
@@ -73,7 +73,7 @@ def parse_layout(label: str) -> Layout:
 
 def predict(model: str, pp: int, layout: Layout, chunk_tokens: int, gpu: bool = False) -> int:
     """CPU ranks compute in float32 on dense weights; GPU ranks in the model's own dtype."""
-    source = resolve_model(model)
+    source = resolve_model(model, allowed_dirs=None)
     shape = read_model_shape(source, dtype=default_dtype(source) if gpu else "float32")
     return estimate_node_bytes(
         shape, pp, 0, layout, chunk_tokens, dense_weights=not gpu

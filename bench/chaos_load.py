@@ -11,10 +11,11 @@ from pathlib import Path
 
 import redis
 
+from admission.vocabulary import Strategy
 from jobs.batch import submit_batch
 from jobs.batch_input import BatchItem, Defaults, describe_errors, parse_batch_file
 from jobs.lifecycle import JobState
-from jobs.schemas import JobKind, JobRecord, JobSpec, Sharding
+from jobs.schemas import JobKind, JobRecord, JobSpec
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import enqueue_jobs, new_job_id
@@ -23,7 +24,7 @@ TINY = "random:tiny-llama"  # byte tokenizer: one token per byte
 SMOLLM2 = "smollm2"
 _TEXT = "Ring attention splits a long prompt over several machines, block by block. "
 DOCUMENTS_TOKENS = (150, 450, 900)
-LAYOUTS = ((Sharding.SINGLE, 1), (Sharding.RING, 2), (Sharding.PIPELINE, 2))
+LAYOUTS: tuple[tuple[Strategy, int], ...] = (("single", 1), ("ring", 2), ("pipeline", 2))
 PROMPT = "Summarise."
 MAX_TOKENS = 8
 SMOLLM2_SHARE = 0.02  # of the jobs: a few real-model jobs among the tiny ones
@@ -39,9 +40,9 @@ def direct_pool(documents_tokens: tuple[int, ...] = DOCUMENTS_TOKENS) -> list[Jo
     """Specs submitted one by one, with an explicit layout."""
     specs = []
     for tokens in documents_tokens:
-        for sharding, size in LAYOUTS:
+        for strategy, ranks in LAYOUTS:
             for kind in (JobKind.PREFILL, JobKind.GENERATE):
-                specs.append(_spec(TINY, kind, document(tokens), sharding, size))
+                specs.append(_spec(TINY, kind, document(tokens), strategy, ranks))
     return specs
 
 
@@ -59,7 +60,7 @@ def batch_line_pool(documents_tokens: tuple[int, ...] = DOCUMENTS_TOKENS) -> lis
     return lines
 
 
-def _spec(model: str, kind: JobKind, doc: str, sharding: Sharding, size: int) -> JobSpec:
+def _spec(model: str, kind: JobKind, doc: str, strategy: Strategy, ranks: int) -> JobSpec:
     prompt = PROMPT if kind == JobKind.GENERATE else None
     return JobSpec(
         kind=kind,
@@ -67,8 +68,8 @@ def _spec(model: str, kind: JobKind, doc: str, sharding: Sharding, size: int) ->
         model=model,
         prompt=prompt,
         max_tokens=MAX_TOKENS,
-        sharding=sharding,
-        ring_size=size,
+        strategy=strategy,
+        ranks=ranks,
     )
 
 

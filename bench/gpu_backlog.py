@@ -13,12 +13,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from admission.vocabulary import STRATEGY_CHOICES, StrategyChoice
 from bench.gpu_service import document_of, job_row, wait_for_spare_ranks
 from cli.services import LocalCluster
 from jobs.redis_server import connect
-from jobs.schemas import JobKind, JobSpec, Sharding
+from jobs.schemas import JobKind, JobSpec
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import submit_job
@@ -35,7 +36,9 @@ def parse_mix(text: str) -> list[int]:
     return lengths
 
 
-def run_backlog(model: str, lengths: list[int], strategy: str, timeout_s: float) -> dict[str, Any]:
+def run_backlog(
+    model: str, lengths: list[int], strategy: StrategyChoice, timeout_s: float
+) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="ringq-backlog-"))
     try:
         with LocalCluster(Settings(home=home, redis_url=None)) as cluster:
@@ -48,7 +51,7 @@ def run_backlog(model: str, lengths: list[int], strategy: str, timeout_s: float)
                     kind=JobKind.PREFILL,
                     document=document_of(tokens),
                     model=model,
-                    sharding=Sharding(strategy),
+                    strategy=strategy,
                 )
                 for tokens in [lengths[-1], *lengths]
             ]
@@ -87,8 +90,11 @@ def main() -> int:
     args = parser.parse_args()
     lengths = parse_mix(args.mix)
     runs = []
-    for strategy in args.strategies.split(","):
-        run = run_backlog(args.model, lengths, strategy, args.timeout_s)
+    strategies = args.strategies.split(",")
+    if unknown := set(strategies) - set(STRATEGY_CHOICES):
+        parser.error(f"unknown strategies {sorted(unknown)}: use {', '.join(STRATEGY_CHOICES)}")
+    for strategy in strategies:
+        run = run_backlog(args.model, lengths, cast(StrategyChoice, strategy), args.timeout_s)
         latencies = sorted(row["submit_to_finished_s"] for row in run["jobs"] if "pp" in row)
         summary = {
             "strategy": strategy,

@@ -52,7 +52,7 @@ def main() -> int:
     args = parser.parse_args()
     rows: list[dict[str, object]] = []
     mx.reset_peak_memory()
-    model = load_model(resolve_model(args.model))
+    model = load_model(resolve_model(args.model, allowed_dirs=None))
     weights = mx.get_active_memory()
     rows.append({"step": "weights", "active_bytes": weights, "peak_bytes": mx.get_peak_memory()})
     engine = Engine(model)

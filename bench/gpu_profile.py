@@ -135,7 +135,7 @@ def run_rank(args: argparse.Namespace) -> None:
     if not (args.cold or args.single):
         profile_collectives(rec, group)
     started = time.perf_counter()
-    model = load_for_this_device(resolve_model(args.model))
+    model = load_for_this_device(resolve_model(args.model, allowed_dirs=None))
     rec.add("load model", seconds=round(time.perf_counter() - started, 3))
     pps = [int(p) for p in args.pp.split(",")]
     chunks = [int(c) for c in args.chunks.split(",")]
@@ -149,7 +149,7 @@ def run_rank(args: argparse.Namespace) -> None:
     profile_ring(rec, model, group, pps, chunks)
     del model
     mx.clear_cache()
-    fresh = load_for_this_device(resolve_model(args.model))
+    fresh = load_for_this_device(resolve_model(args.model, allowed_dirs=None))
     if args.rank == 0:
         profile_single(rec, fresh, pps, chunks)
     else:
@@ -168,7 +168,7 @@ def profile_cold(rec: Recorder, model: Any, group: Any, pp: int, model_name: str
     pieces_and_decode(rec, RingEngine(model, group, "allgather", "replicated"), pp, "ring-2")
     del model
     mx.clear_cache()
-    fresh = load_for_this_device(resolve_model(model_name))
+    fresh = load_for_this_device(resolve_model(model_name, allowed_dirs=None))
     if rec.rank == 0:
         pieces_and_decode(rec, Engine(fresh), pp, "single")
     else:

@@ -22,9 +22,10 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+from admission.vocabulary import STRATEGY_CHOICES
 from cli.services import LocalCluster
 from jobs.redis_server import connect
-from jobs.schemas import JobKind, JobRecord, JobSpec, Sharding
+from jobs.schemas import JobKind, JobRecord, JobSpec
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import submit_job
@@ -54,7 +55,7 @@ def job_row(record: JobRecord) -> dict[str, Any]:
     if record.placement is not None:
         row |= {
             "strategy": record.placement.strategy,
-            "ranks": record.placement.ring_size,
+            "ranks": record.placement.ranks,
             "warm": record.placement.warm,
             "chunk_tokens": record.placement.chunk_tokens,
             "devices": record.placement.devices,
@@ -107,7 +108,7 @@ def run_length(args: argparse.Namespace, pp: int, env: dict[str, str]) -> list[d
                 kind=JobKind.PREFILL,
                 document=document_of(pp),
                 model=args.model,
-                sharding=Sharding(args.strategy),
+                strategy=args.strategy,
             )
             for index in range(1 + args.warm):
                 row = run_job(store, conn, spec, args.timeout_s)
@@ -130,7 +131,7 @@ def main() -> int:
     parser.add_argument("--pp", default="32768,131072")
     parser.add_argument("--warm", type=int, default=2, help="warm jobs after the cold one")
     parser.add_argument("--nodes", type=int, default=None, help="default: one per GPU")
-    parser.add_argument("--strategy", default="auto", choices=[s.value for s in Sharding])
+    parser.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES)
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for a variant")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--out", type=Path)

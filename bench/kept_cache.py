@@ -18,7 +18,7 @@ import click
 
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
-from jobs.schemas import JobKind, JobRecord, JobSpec, Sharding
+from jobs.schemas import JobKind, JobRecord, JobSpec
 from jobs.store import JobStore
 from jobs.submit import submit_job
 from tests.helpers import private_cluster
@@ -62,7 +62,7 @@ def main(model: str, questions: int, max_tokens: int) -> None:
                 prompt=question,
                 model=model,
                 max_tokens=max_tokens,
-                sharding=Sharding.SINGLE,
+                strategy="single",
             )
             for cache_from in (kept.id, None):
                 final = run(store, spec.model_copy(update={"cache_from": cache_from}))

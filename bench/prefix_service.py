@@ -11,7 +11,7 @@ from typing import Any
 from cli.services import LocalCluster
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
-from jobs.schemas import JobKind, JobRecord, JobSpec, Sharding
+from jobs.schemas import JobKind, JobRecord, JobSpec
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import enqueue_jobs, new_job_id
@@ -57,7 +57,7 @@ def run_cluster(specs: list[JobSpec], env: dict[str, str], nodes: int, at_once: 
 def warm_up(store: JobStore, specs: list[JobSpec], timeout_s: float) -> None:
     """Load the model and compile once in a warm group of every layout the specs ask for: short
     jobs on their own document (they keep nothing the questions can use)."""
-    layouts = {(s.sharding, s.ring_size): s for s in specs}
+    layouts = {(s.strategy, s.ranks): s for s in specs}
     for spec in layouts.values():
         warm = spec.model_copy(update={"document": "Warm up. " * 8, "max_tokens": 2})
         [record] = enqueue_jobs(store.conn, [(new_job_id(), warm)])
@@ -91,12 +91,12 @@ def question_specs(
             prompt=q,
             model=model,
             max_tokens=max_tokens,
-            sharding=Sharding.SINGLE,
+            strategy="single",
         )  # fmt: skip
         for q in questions
     ]
     if first_ring > 1:
-        ring = {"sharding": Sharding.RING, "ring_size": first_ring}
+        ring = {"strategy": "ring", "ranks": first_ring}
         specs[0] = specs[0].model_copy(update=ring)
     return specs
 

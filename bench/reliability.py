@@ -62,7 +62,7 @@ def short_jobs(count: int) -> list[tuple[str, JobSpec]]:
 
 
 def rank_kill_trial(cluster: LocalCluster, store: JobStore, rng: random.Random) -> dict:
-    spec = JobSpec(kind=JobKind.PREFILL, document=DOCUMENT, model=MODEL, ring_size=2)
+    spec = JobSpec(kind=JobKind.PREFILL, document=DOCUMENT, model=MODEL, ranks=2)
     record = submit_job(store.conn, spec)
     started = wait_for(
         lambda: (r := store.get(record.id)).state == JobState.PREFILL and r, "prefill", 120

@@ -57,7 +57,7 @@ def main(tokens: int) -> None:
     handle = ensure_redis(Settings(home=home, redis_url=None))
     try:
         store = JobStore(connect(handle.url), job_ttl_s=600)
-        tokenizer = load_tokenizer(resolve_model("smollm2"))
+        tokenizer = load_tokenizer(resolve_model("smollm2", allowed_dirs=None))
         text = README.read_text()
         for layout, body in (("lines", text), ("one line", text.replace("\n", " "))):
             ids = tokenizer.encode(body, add_special_tokens=False)[:tokens]

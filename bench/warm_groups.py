@@ -16,9 +16,10 @@ from pathlib import Path
 
 import click
 
+from admission.vocabulary import STRATEGY_CHOICES, StrategyChoice
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
-from jobs.schemas import JobKind, JobSpec, Sharding
+from jobs.schemas import JobKind, JobSpec
 from jobs.store import JobStore
 from jobs.submit import submit_job
 from tests.helpers import private_cluster
@@ -27,14 +28,14 @@ OUT = Path(__file__).parent / "results" / "warm-groups.json"
 DOCUMENT = "Warm groups keep a model loaded between jobs of the same shape. " * 20
 
 
-def run_jobs(model: str, count: int, idle_s: float, sharding: Sharding) -> list[dict]:
+def run_jobs(model: str, count: int, idle_s: float, strategy: StrategyChoice) -> list[dict]:
     env = {"RINGQ_GROUP_IDLE_S": str(idle_s), "RINGQ_RANK_PORT_BASE": "36300"}
     rows = []
     with private_cluster("warmb", env) as cluster:
         store = JobStore(connect(cluster.url))
         for i in range(count):
             spec = JobSpec(
-                kind=JobKind.PREFILL, document=f"{i}. {DOCUMENT}", model=model, sharding=sharding
+                kind=JobKind.PREFILL, document=f"{i}. {DOCUMENT}", model=model, strategy=strategy
             )
             record = submit_job(store.conn, spec)
             while not (final := store.get(record.id)).state.is_final:
@@ -75,19 +76,19 @@ def summary(rows: list[dict]) -> dict:
 @click.option("--model", default="smollm2", show_default=True)
 @click.option("--jobs", "count", default=20, show_default=True)
 @click.option(
-    "--sharding",
-    type=click.Choice([s.value for s in Sharding]),
+    "--strategy",
+    type=click.Choice(STRATEGY_CHOICES),
     default="single",
     show_default=True,
 )
-def main(model: str, count: int, sharding: str) -> None:
-    warm = run_jobs(model, count, 60.0, Sharding(sharding))
-    cold = run_jobs(model, count, 0.0, Sharding(sharding))
+def main(model: str, count: int, strategy: StrategyChoice) -> None:
+    warm = run_jobs(model, count, 60.0, strategy)
+    cold = run_jobs(model, count, 0.0, strategy)
     result: dict = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(["python -m bench.warm_groups", *sys.argv[1:]]),
         "model": model,
-        "sharding": sharding,
+        "strategy": strategy,
         # the first warm-run job loads its group: the rest are the warm ones
         "warm": summary([r for r in warm if r["warm"]]),
         "cold": summary(cold),

@@ -64,10 +64,11 @@ def submit(file: Path, skip_invalid: bool, model: str | None, max_tokens: int, a
     """
     settings = get_settings()
     defaults = Defaults.of(settings, model, max_tokens)
-    parsed = parse_batch_file(file, defaults)
+    parsed = parse_batch_file(file, defaults, settings)
     items = require_valid(parsed, skip_invalid)
     skipped = [error.skipped() for error in parsed.errors]
-    record = submit_batch(redis_connection(), items, parsed.input_name, skipped=skipped)
+    conn = redis_connection()
+    record = submit_batch(conn, items, parsed.input_name, skipped=skipped, settings=settings)
     if as_json:
         skipped_lines = [skipped_json(e) for e in parsed.errors]
         echo_json({**record_json(record), "skipped": skipped_lines, "hint": parsed.hint})

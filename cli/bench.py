@@ -10,6 +10,7 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,10 @@ from cli.bench_report import (
     tile_tokens,
 )
 from cli.common import echo_json, interrupt_on_sigterm
-from cli.options import chunk_tokens_option
+from cli.options import chunk_tokens_option, renamed_option
 from jobs.errors import InvalidJobError, RingqError
 from jobs.model_catalog import read_model_shape, resolve_model
-from jobs.schemas import JobKind, JobResult, JobSpec, Sharding
+from jobs.schemas import JobKind, JobResult, JobSpec
 from jobs.settings import Settings, get_settings
 from jobs.tokenizer import ChatTokenizer, load_tokenizer
 from ring_worker.devices import node_backend
@@ -78,20 +79,27 @@ def list_option(parse):
     "--tg", type=click.IntRange(0, 32768), default=16, show_default=True, help="Tokens to decode."
 )
 @click.option(
-    "--sharding",
+    "--strategy",
     "strategies",
     default="single,ring",
     show_default=True,
     callback=list_option(lambda v: parse_choices(v, STRATEGIES)),
     help="Strategies, comma-separated: " + ", ".join(STRATEGIES) + ".",
 )
+@renamed_option(
+    "--sharding",
+    "--strategy",
+    "strategies",
+    callback=list_option(lambda v: parse_choices(v, STRATEGIES)),
+)
 @click.option(
-    "--ring-size",
+    "--ranks",
     type=click.IntRange(2, 64),
     default=2,
     show_default=True,
     help="Ranks of ring and pipeline cells (single always runs on one).",
 )
+@renamed_option("--ring-size", "--ranks", "ranks", type=click.IntRange(2, 64))
 @click.option(
     "--exchange",
     "exchanges",
@@ -144,7 +152,7 @@ def bench(
     pp_list,
     tg,
     strategies,
-    ring_size,
+    ranks,
     exchanges,
     decode_kvs,
     warmup,
@@ -157,7 +165,7 @@ def bench(
 ):
     """Prompt (pp) and generation (tg) tok/s of every strategy cell, with ratios to `single`.
 
-    Cells are pp x sharding (x exchange x decode-kv for ring); each runs --warmup + --repeat
+    Cells are pp x strategy (x exchange x decode-kv for ring); each runs --warmup + --repeat
     times on local rank processes. A cell that fails is reported with its reason; the exit code
     is 1 only when every cell failed.
     """
@@ -167,8 +175,8 @@ def bench(
         "model": model or settings.default_model,
         "pp": pp_list,
         "tg": tg,
-        "sharding": strategies,
-        "ring_size": ring_size,
+        "strategy": strategies,
+        "ranks": ranks,
         "exchange": exchanges,
         "decode_kv": decode_kvs,
         "warmup": warmup,
@@ -178,7 +186,7 @@ def bench(
         or default_chunk_tokens(node_backend(settings.backend)),
         "timeout_s": timeout_s,
     }
-    prompts = build_prompts(config["model"], pp_list, tg)
+    prompts = build_prompts(config["model"], pp_list, tg, settings.allowed_dirs)
     report = measure(config, prompts, settings)
     write_outputs(report, json_out, plot)
     if as_json:
@@ -195,8 +203,8 @@ def measure(
     """Run every cell of `config`; the report (command, date, machine, config, cells)."""
     cells = plan_cells(
         config["pp"],
-        config["sharding"],
-        config["ring_size"],
+        config["strategy"],
+        config["ranks"],
         config["exchange"],
         config["decode_kv"],
     )
@@ -242,7 +250,7 @@ def measure(
 def add_mfu(report: dict[str, Any], model: str) -> None:
     """Model FLOPs utilisation of each cell's median prefill against the measured matmul peak."""
     peak = report["machine"].get("matmul_peak")
-    shape = read_model_shape(resolve_model(model))
+    shape = read_model_shape(resolve_model(model, allowed_dirs=None))  # build_prompts checked it
     for cell in report["cells"]:
         prefill = cell["prefill_s"]
         cell["mfu"] = (
@@ -252,9 +260,11 @@ def add_mfu(report: dict[str, Any], model: str) -> None:
         )
 
 
-def build_prompts(model: str, pp_list: list[int], tg: int) -> dict[int, list[int]]:
+def build_prompts(
+    model: str, pp_list: list[int], tg: int, allowed_dirs: Sequence[Path] | None
+) -> dict[int, list[int]]:
     """Exactly pp tokens per prompt length: the demo document tiled, after the tokenizer's BOS."""
-    source = resolve_model(model)
+    source = resolve_model(model, allowed_dirs=allowed_dirs)
     context_tokens = read_model_shape(source).context_length
     if max(pp_list) + tg > context_tokens:
         raise InvalidJobError(
@@ -280,8 +290,8 @@ def run_cell(
         model=model,
         max_tokens=max(tg, 1),
         temperature=0.0,
-        ring_size=cell.ranks,
-        sharding=Sharding(cell.strategy),
+        ranks=cell.ranks,
+        strategy=cell.strategy,
     )
     try:
         result = run_local(

@@ -74,7 +74,7 @@ def parse_choices(text: str, choices: Sequence[str]) -> list[str]:
 def plan_cells(
     pp_list: Iterable[int],
     strategies: Iterable[str],
-    ring_size: int,
+    ranks: int,
     exchanges: Iterable[str],
     decode_kvs: Iterable[str],
 ) -> list[Cell]:
@@ -85,10 +85,10 @@ def plan_cells(
             if strategy in BASELINES:
                 cells.append(Cell(pp, cast(Strategy, strategy), 1))
             elif strategy == "pipeline":
-                cells.append(Cell(pp, "pipeline", ring_size))
+                cells.append(Cell(pp, "pipeline", ranks))
             else:
                 cells.extend(
-                    Cell(pp, "ring", ring_size, cast(Exchange, exchange), cast(KVLayout, kv))
+                    Cell(pp, "ring", ranks, cast(Exchange, exchange), cast(KVLayout, kv))
                     for exchange in exchanges
                     for kv in decode_kvs
                 )

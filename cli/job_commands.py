@@ -6,26 +6,29 @@ import sys
 
 import click
 
+from admission.vocabulary import STRATEGY_CHOICES
 from cli.common import client, echo_json, expand_files
-from cli.options import build_spec, submit_job_options
+from cli.options import build_spec, renamed_option, submit_job_options
 from cli.render import describe, result_json, status_json
 from jobs.lifecycle import JobState
-from jobs.schemas import JobKind, Sharding
+from jobs.schemas import JobKind
 
 
 @click.command()
 @click.argument("kind", type=click.Choice([k.value for k in JobKind]))
 @click.argument("files", nargs=-1, required=True, metavar="FILE...")
 @submit_job_options
-@click.option("--ring-size", default="auto", show_default=True, help="Ranks (nodes) or 'auto'.")
+@click.option("--ranks", default="auto", show_default=True, help="Ranks (nodes) or 'auto'.")
+@renamed_option("--ring-size", "--ranks", "ranks")
 @click.option(
-    "--sharding",
-    type=click.Choice([s.value for s in Sharding]),
+    "--strategy",
+    type=click.Choice(STRATEGY_CHOICES),
     default="auto",
     show_default=True,
     help="auto: the dispatcher chooses; ring: sequence parallel; pipeline: layers split over "
     "nodes; single: one node.",
 )
+@renamed_option("--sharding", "--strategy", "strategy", type=click.Choice(STRATEGY_CHOICES))
 @click.option(
     "--id", "job_id", default=None, help="Job id to use, one FILE only (default: random)."
 )
@@ -41,7 +44,7 @@ from jobs.schemas import JobKind, Sharding
     help="generate: start from prefill JOB's kept KV cache; only the rest of the prompt is "
     "computed.",
 )
-def submit(kind, files, as_json, ring_size, sharding, job_id, prompts, **options):
+def submit(kind, files, as_json, ranks, strategy, job_id, prompts, **options):
     """Enqueue a prefill or generate job per FILE; prints the job ids, one a line.
 
     FILE is a file, '-' (stdin), a directory (its files, sorted, not hidden ones) or a quoted
@@ -56,7 +59,7 @@ def submit(kind, files, as_json, ring_size, sharding, job_id, prompts, **options
     if job_id and len(paths) * len(questions) > 1:
         raise click.UsageError("--id names one job: give one FILE and at most one --prompt")
     specs = [
-        build_spec(kind, path, prompt=q, ring_size=ring_size, sharding=sharding, **options)
+        build_spec(kind, path, prompt=q, ranks=ranks, strategy=strategy, **options)
         for path in paths
         for q in questions
     ]
@@ -66,7 +69,8 @@ def submit(kind, files, as_json, ring_size, sharding, job_id, prompts, **options
     else:
         from jobs.submit import enqueue_jobs, new_job_id
 
-        records = enqueue_jobs(ringq.conn, [(new_job_id(), spec) for spec in specs])
+        jobs = [(new_job_id(), spec) for spec in specs]
+        records = enqueue_jobs(ringq.conn, jobs, settings=ringq.settings)
     if not as_json:
         click.echo("\n".join(record.id for record in records))
     elif len(specs) == 1 and paths == list(files):  # one plain FILE: one object, as before

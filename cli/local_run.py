@@ -6,9 +6,9 @@ from typing import cast
 import click
 from rich.console import Console
 
-from admission.vocabulary import Exchange
+from admission.vocabulary import STRATEGIES, Exchange
 from cli.common import echo_json, interrupt_on_sigterm
-from cli.options import build_spec, chunk_tokens_option, job_options
+from cli.options import build_spec, chunk_tokens_option, job_options, renamed_option
 from cli.render import live_progress, print_result
 from jobs.errors import RingqError
 from jobs.lifecycle import JobState
@@ -24,19 +24,21 @@ from ring_worker.local_group import LocalRunError, run_local
 @click.argument("file")
 @job_options
 @click.option(
-    "--sharding",
-    type=click.Choice(["ring", "pipeline", "single"]),
+    "--strategy",
+    type=click.Choice(STRATEGIES),
     default="ring",
     show_default=True,
     help="ring: sequence parallel; pipeline: layers split over ranks; single: one rank.",
 )
+@renamed_option("--sharding", "--strategy", "strategy", type=click.Choice(STRATEGIES))
 @click.option(
-    "--ring-size",
+    "--ranks",
     type=click.IntRange(1, 16),
     default=2,
     show_default=True,
     help="Ranks of a ring or pipeline.",
 )
+@renamed_option("--ring-size", "--ranks", "ranks", type=click.IntRange(1, 16))
 @chunk_tokens_option
 @click.option(
     "--exchange",
@@ -64,8 +66,8 @@ def run(
     stop,
     seed,
     as_json,
-    sharding,
-    ring_size,
+    strategy,
+    ranks,
     chunk_tokens,
     exchange,
     kv_layout,
@@ -73,7 +75,7 @@ def run(
     """Run a job on this machine with local rank processes (no Redis): quick use and benchmarks."""
     interrupt_on_sigterm()
     settings = get_settings()
-    size = 1 if sharding == "single" else ring_size
+    size = 1 if strategy == "single" else ranks
     spec = build_spec(
         kind,
         file,
@@ -81,12 +83,12 @@ def run(
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=temperature,
-        ring_size=size,
-        sharding=sharding,
+        ranks=size,
+        strategy=strategy,
         stop=stop,
         seed=seed,
     )
-    tokens, _ = tokenize_and_check(spec)
+    tokens, _ = tokenize_and_check(spec, allowed_dirs=settings.allowed_dirs)
     job_id = new_job_id()
     console = Console(stderr=True)
     outcome = run_with_progress(
@@ -97,7 +99,7 @@ def run(
             size,
             chunk_tokens or settings.prefill_chunk_tokens,
             scratch_root=settings.home / "runs",
-            strategy=sharding,
+            strategy=strategy,
             blas=settings.blas,
             backend=settings.backend,
             exchange=None
@@ -116,8 +118,8 @@ def run(
         "id": job_id,
         "state": "finished",
         "error": None,
-        "strategy": sharding,
-        "ring_size": size,
+        "strategy": strategy,
+        "ranks": size,
         **outcome.model_dump(mode="json"),
     }
     if as_json:

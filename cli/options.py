@@ -3,6 +3,7 @@
 from typing import Literal
 
 import click
+from click.core import ParameterSource
 
 from cli.common import read_document
 from jobs.schemas import DEFAULT_GENERATE_PROMPT, JobKind, JobSpec
@@ -65,8 +66,8 @@ def build_spec(
     prompt,
     max_tokens,
     temperature,
-    ring_size,
-    sharding="auto",
+    ranks,
+    strategy="auto",
     keep_cache=False,
     cache_from=None,
     stop=(),
@@ -82,8 +83,8 @@ def build_spec(
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=temperature,
-        ring_size=parse_ring_size(ring_size),
-        sharding=sharding,
+        ranks=parse_ranks(ranks),
+        strategy=strategy,
         keep_cache=keep_cache,
         cache_from=cache_from,
         stop=list(stop),
@@ -91,15 +92,30 @@ def build_spec(
     )
 
 
-def parse_ring_size(value: str | int) -> int | Literal["auto"]:
+def parse_ranks(value: str | int) -> int | Literal["auto"]:
     if value == "auto":
         return "auto"
     try:
         return int(value)
     except ValueError:
         raise click.BadParameter(
-            f"{value!r} is not a number or 'auto'", param_hint="--ring-size"
+            f"{value!r} is not a number or 'auto'", param_hint="--ranks"
         ) from None
+
+
+def renamed_option(old: str, new: str, dest: str, callback=None, **kwargs):
+    """The flag `new` had before: hidden, it sets `new`'s parameter `dest`, with a one-line note
+    on stderr. Give it `new`'s type and callback, not its default."""
+
+    def given(ctx: click.Context, param: click.Parameter, value) -> None:
+        source = ctx.get_parameter_source(param.name) if param.name else None
+        if source is not ParameterSource.COMMANDLINE:
+            return  # not given: `new`'s value (its default) stands
+        click.echo(f"{old} is deprecated, use {new}", err=True)
+        # Processed before `new` when `new` is not given, and click keeps a value set so.
+        ctx.params[dest] = callback(ctx, param, value) if callback else value
+
+    return click.option(old, hidden=True, expose_value=False, callback=given, **kwargs)
 
 
 chunk_tokens_option = click.option(

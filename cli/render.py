@@ -35,7 +35,7 @@ def status_json(record: JobRecord) -> dict[str, Any]:
         },
         "placement": {
             "strategy": placement.strategy if placement else None,
-            "ring_size": placement.ring_size if placement else None,
+            "ranks": placement.ranks if placement else None,
             "nodes": placement.nodes if placement else [],
             "warm": placement.warm if placement else False,
             "reason": placement.reason if placement else None,
@@ -135,7 +135,7 @@ def describe(record: JobRecord) -> str:
 def placement_text(placement: Placement | None) -> str:
     if placement is None:
         return "not placed"
-    return f"{placement.strategy}-{placement.ring_size} on {','.join(placement.nodes)}"
+    return f"{placement.strategy}-{placement.ranks} on {','.join(placement.nodes)}"
 
 
 def format_eta(seconds: float | None) -> str:

@@ -16,6 +16,7 @@ import psutil
 from rich.console import Console
 
 from cli.common import interrupt_on_sigterm, redis_url_for
+from cli.options import renamed_option
 from cli.render import print_result, result_json, watch
 from cli.supervisor import Supervisor
 from jobs.dispatcher import serve
@@ -208,16 +209,17 @@ def up(node_count: int | None) -> None:
 
 @click.command()
 @click.option("--model", default=None, help="Model (default: smollm2).")
-@click.option("--ring-size", type=click.IntRange(1, 8), default=2, show_default=True)
+@click.option("--ranks", type=click.IntRange(1, 8), default=2, show_default=True)
+@renamed_option("--ring-size", "--ranks", "ranks", type=click.IntRange(1, 8))
 @click.option("--max-tokens", type=int, default=96, show_default=True)
-def demo(model: str | None, ring_size: int, max_tokens: int) -> None:
+def demo(model: str | None, ranks: int, max_tokens: int) -> None:
     """Everything local: a bundled document and a question through a ring of local nodes."""
     settings = get_settings()
     interrupt_on_sigterm()
     document = files("cli").joinpath("demo/document.md").read_text()
     question = files("cli").joinpath("demo/question.txt").read_text().strip()
     started = time.perf_counter()
-    with LocalCluster(settings, ring_size, name_prefix="demo") as cluster:
+    with LocalCluster(settings, ranks, name_prefix="demo") as cluster:
         cluster.wait_ready()
         console.print(
             f"[dim]cluster ready in {time.perf_counter() - started:.1f}s: "
@@ -235,7 +237,7 @@ def demo(model: str | None, ring_size: int, max_tokens: int) -> None:
             model=model or settings.default_model,
             prompt=question,
             max_tokens=max_tokens,
-            ring_size=ring_size,
+            ranks=ranks,
         )
         conn = connect(cluster.url)
         record = submit_job(conn, spec)
@@ -248,14 +250,14 @@ def demo(model: str | None, ring_size: int, max_tokens: int) -> None:
             placement = record.placement
             devices = f" ({', '.join(placement.devices)})" if placement.devices else ""
             out.print(
-                f"[dim]{placement.strategy}-{placement.ring_size} on "
+                f"[dim]{placement.strategy}-{placement.ranks} on "
                 f"{', '.join(placement.nodes)}{devices}; "
                 f"total {time.perf_counter() - started:.1f}s[/dim]"
             )
             if any(n.gpu for n in cluster.nodes) and "cpu" in placement.devices:
                 out.print(
                     "[dim]its ranks share a GPU, so they computed on CPU (a ring needs a GPU "
-                    "per rank; `ringq demo --ring-size 1` runs on the GPU)[/dim]"
+                    "per rank; `ringq demo --ranks 1` runs on the GPU)[/dim]"
                 )
     if record.error:
         sys.exit(1)

@@ -103,7 +103,7 @@ def wait_for_known_nodes(
     """A job that needs more nodes than are live now, but no more than have registered, waits
     for the missing ones: a node agent that `ringq up` is restarting is back in seconds (the
     chaos soak failed 56 of 200 two-node jobs while one was down)."""
-    needed = request.ring_size or (2 if request.sharding in ("ring", "pipeline") else 1)
+    needed = request.ranks or (2 if request.strategy in ("ring", "pipeline") else 1)
     if len(cluster.nodes) < needed <= cluster.known_nodes:
         return Wait(f"{never}: waiting for the other registered nodes to come back")
     return None
@@ -161,7 +161,7 @@ def placement_request(
             f"backlog of {cluster.waiting_jobs + 1} jobs for {len(cluster.nodes)} GPUs: one job "
             "per GPU finishes it sooner than rings"
         )
-    if spec.ring_size != "auto" or spec.sharding.value != "auto":
+    if spec.ranks != "auto" or spec.strategy != "auto":
         reason = "as asked"
     if kept:
         reason += f"; {kept} prompt tokens kept by {job.prefix.kept_from}"
@@ -170,8 +170,8 @@ def placement_request(
         prompt_tokens=prompt,
         max_new_tokens=job.new_tokens,
         chunk_tokens=settings.prefill_chunk_tokens,
-        ring_size=None if spec.ring_size == "auto" else spec.ring_size,
-        sharding="single" if cached else spec.sharding.value,
+        ranks=None if spec.ranks == "auto" else spec.ranks,
+        strategy="single" if cached else spec.strategy,
         ring_min_tokens=ring_min,
         kv_layout=settings.kv_layout,
         preferred_nodes=job.prefix.kept_nodes,

@@ -32,6 +32,7 @@ from jobs.schemas import (
     SkippedLine,
     check_job_id,
 )
+from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import enqueue_jobs
 
@@ -86,9 +87,11 @@ def submit_batch(
     skipped_lines: int = 0,
     batch_id: str | None = None,
     skipped: Sequence[SkippedLine] = (),
+    settings: Settings | None = None,
 ) -> BatchRecord:
     """Record the batch (claiming its id), then enqueue its jobs with a few pipelines.
-    `skipped`: the invalid lines left out, kept for the errors file."""
+    `skipped`: the invalid lines left out, kept for the errors file. `settings`: the caller's
+    (jobs.submit.enqueue_jobs)."""
     batch_id = _checked_id(batch_id or new_batch_id())
     if not items:
         raise InvalidJobError(f"{input_name}: no requests to enqueue")
@@ -105,9 +108,8 @@ def submit_batch(
     if not conn.set(keys.batch(batch_id), record.model_dump_json(), nx=True, ex=ttl_s):
         raise InvalidJobError(f"a batch with id {batch_id!r} already exists; choose another id")
     conn.zadd(keys.BATCHES_INDEX, {batch_id: record.created_at})
-    enqueue_jobs(
-        conn, [(entry.job_id, item.spec) for entry, item in zip(entries, items, strict=True)]
-    )
+    jobs = [(entry.job_id, item.spec) for entry, item in zip(entries, items, strict=True)]
+    enqueue_jobs(conn, jobs, settings=settings)
     return record
 
 

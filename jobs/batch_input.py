@@ -37,7 +37,7 @@ from jobs.errors import BatchInputError, RingqError, UnknownModelError
 from jobs.files import allowed_path, printable_name, read_at_most
 from jobs.model_info import check_spec
 from jobs.schemas import JobKind, JobSpec, SkippedLine
-from jobs.settings import Settings
+from jobs.settings import Settings, get_settings
 
 LISTED_ERRORS = 20  # an error message names this many bad lines, then counts the rest
 
@@ -103,7 +103,9 @@ class ParsedBatch:
     hint: str | None = None  # said once for all lines (lines naming models that do not run here)
 
 
-def parse_batch_file(path: Path, defaults: Defaults) -> ParsedBatch:
+def parse_batch_file(
+    path: Path, defaults: Defaults, settings: Settings | None = None
+) -> ParsedBatch:
     """Every line of `path` checked: good ones as items, bad ones as errors with line numbers."""
     try:
         with path.open(encoding="utf-8-sig") as file:  # tolerate a byte-order mark
@@ -114,17 +116,22 @@ def parse_batch_file(path: Path, defaults: Defaults) -> ParsedBatch:
         raise BatchInputError(
             f"{path}: not UTF-8 text (byte {exc.start}); a batch file is UTF-8 JSON Lines", []
         ) from None
-    return parse_batch_lines(lines, path.parent, printable_name(path), defaults)
+    return parse_batch_lines(lines, path.parent, printable_name(path), defaults, settings)
 
 
 def parse_batch_lines(
-    lines: list[str], base_dir: Path, input_name: str, defaults: Defaults
+    lines: list[str],
+    base_dir: Path,
+    input_name: str,
+    defaults: Defaults,
+    settings: Settings | None = None,
 ) -> ParsedBatch:
-    """Blank lines are skipped; duplicate custom ids fail the later line, naming the first."""
+    """Blank lines are skipped; duplicate custom ids fail the later line, naming the first.
+    `settings`: the caller's, for the model checks (jobs.model_info); None: this process's."""
     items: list[BatchItem] = []
     errors: list[LineError] = []
     first_line: dict[str, int] = {}
-    check = _spec_checker()
+    check = _SpecChecker(settings or get_settings())  # a library entry point, as submit_job
     for number, line in _numbered(lines):
         try:
             item = _parse_line(number, line, base_dir, defaults)
@@ -304,21 +311,18 @@ class _SpecChecker:
     """check_spec for each line; a model is looked up once, and every line naming a model that
     does not run gets a short error (the reason is said once, in the batch's hint)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.bad_models: dict[str, str] = {}
 
     def __call__(self, spec: JobSpec) -> None:
         if spec.model in self.bad_models:
             raise ValueError(f"model {spec.model!r} does not run here (see the hint)")
         try:
-            check_spec(spec)
+            check_spec(spec, self.settings)
         except UnknownModelError as exc:
             self.bad_models[spec.model] = _one_line(exc)
             raise ValueError(f"model {spec.model!r} does not run here (see the hint)") from None
-
-
-def _spec_checker() -> _SpecChecker:
-    return _SpecChecker()
 
 
 def _custom_id_of(line: str) -> str | None:

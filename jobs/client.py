@@ -14,16 +14,18 @@ with a message a user can act on; a Redis that cannot be reached raises RedisUna
 
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import redis
 
+from admission.vocabulary import StrategyChoice
 from jobs.errors import InvalidJobError, JobFailedError, JobNotFinishedError, RedisUnavailableError
 from jobs.lifecycle import JobState
 from jobs.listing import BatchSummary, JobSummary, list_batches, list_jobs
-from jobs.schemas import BatchRecord, JobKind, JobRecord, JobResult, JobSpec, NodeInfo, Sharding
+from jobs.schemas import BatchRecord, JobKind, JobRecord, JobResult, JobSpec, NodeInfo
 from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
 
@@ -37,11 +39,11 @@ def default_redis_url(settings: Settings) -> str:
     return settings.redis_url or unix_url(redis_data_dir(settings) / SOCKET_NAME)
 
 
-def connect_client(redis_url: str | None = None) -> redis.Redis:
+def connect_client(redis_url: str | None = None, settings: Settings | None = None) -> redis.Redis:
     """A checked connection (one PING); a clear RedisUnavailableError when nothing answers."""
     from jobs.redis_server import connect
 
-    settings = get_settings()
+    settings = settings or get_settings()
     if redis_url or settings.redis_url:
         return connect(redis_url or settings.redis_url or "")
     try:
@@ -56,9 +58,17 @@ def connect_client(redis_url: str | None = None) -> redis.Redis:
 class Client:
     """Submit jobs and batches, follow them, read results, list and cancel them."""
 
-    def __init__(self, redis_url: str | None = None, *, conn: redis.Redis | None = None):
-        self.conn = conn if conn is not None else connect_client(redis_url)
-        self.store = JobStore(self.conn, get_settings().job_ttl_s)
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        conn: redis.Redis | None = None,
+        settings: Settings | None = None,
+    ):
+        """`settings`: RINGQ_* of this process when not given, read once here."""
+        self.settings = settings or get_settings()
+        self.conn = conn if conn is not None else connect_client(redis_url, self.settings)
+        self.store = JobStore(self.conn, self.settings.job_ttl_s)
 
     # -- jobs ------------------------------------------------------------------------------
 
@@ -73,40 +83,43 @@ class Client:
         temperature: float = 0.0,
         stop: list[str] | None = None,
         seed: int | None = None,
-        ring_size: int | Literal["auto"] = "auto",
-        sharding: Sharding | str = Sharding.AUTO,
+        ranks: int | Literal["auto"] = "auto",
+        strategy: StrategyChoice = "auto",
         job_id: str | None = None,
         keep_cache: bool = False,
         cache_from: str | None = None,
+        ring_size: int | Literal["auto"] | None = None,
+        sharding: StrategyChoice | None = None,
     ) -> JobRecord:
         """Enqueue one job; returns its record (state queued). `document` is the text itself
         (a str) or a file to read (a pathlib.Path / os.PathLike). A generate job without
-        `prompt` summarises the document (schemas.DEFAULT_GENERATE_PROMPT)."""
+        `prompt` summarises the document (schemas.DEFAULT_GENERATE_PROMPT). `ring_size` and
+        `sharding` are the deprecated names of `ranks` and `strategy`."""
         from jobs.submit import submit_job  # imports rq: only the commands that enqueue pay
 
-        text, name = _document(document)
+        text, name = _document(document, self.settings.max_document_bytes)
         spec = JobSpec(
             kind=JobKind(kind),
             document=text,
             document_name=name,
-            model=model or get_settings().default_model,
+            model=model or self.settings.default_model,
             prompt=prompt,
             max_tokens=max_tokens,
             temperature=temperature,
             stop=stop or [],
             seed=seed,
-            ring_size=ring_size,
-            sharding=Sharding(sharding),
+            ranks=_renamed("ring_size", ring_size, "ranks", ranks),
+            strategy=_renamed("sharding", sharding, "strategy", strategy),
             keep_cache=keep_cache,
             cache_from=cache_from,
         )
-        return submit_job(self.conn, spec, job_id)
+        return submit_job(self.conn, spec, job_id, self.settings)
 
     def submit_spec(self, spec: JobSpec, job_id: str | None = None) -> JobRecord:
         """Enqueue a JobSpec built by the caller."""
         from jobs.submit import submit_job
 
-        return submit_job(self.conn, spec, job_id)
+        return submit_job(self.conn, spec, job_id, self.settings)
 
     def status(self, job_id: str) -> JobRecord:
         """The job's record: state, progress, placement, result, error."""
@@ -186,12 +199,14 @@ class Client:
         from jobs.batch import submit_batch
         from jobs.batch_input import Defaults, parse_batch_file, require_valid
 
-        settings = get_settings()
-        defaults = Defaults.of(settings, model, max_tokens)
-        parsed = parse_batch_file(Path(path), defaults)
+        defaults = Defaults.of(self.settings, model, max_tokens)
+        parsed = parse_batch_file(Path(path), defaults, self.settings)
         items = require_valid(parsed, skip_invalid)
         skipped = [error.skipped() for error in parsed.errors]
-        return submit_batch(self.conn, items, parsed.input_name, batch_id=batch_id, skipped=skipped)
+        return submit_batch(
+            self.conn, items, parsed.input_name, batch_id=batch_id, skipped=skipped,
+            settings=self.settings,
+        )  # fmt: skip
 
     def batch_status(self, batch_id: str) -> Any:
         """jobs.batch.BatchCounts: total, queued, running, completed, failed, cancelled."""
@@ -231,12 +246,12 @@ class Client:
         self.close()
 
 
-def _document(document: str | os.PathLike[str]) -> tuple[str, str]:
+def _document(document: str | os.PathLike[str], max_bytes: int) -> tuple[str, str]:
     if isinstance(document, str):
         return document, "-"
     from jobs.files import printable_name, read_at_most
 
-    path, max_bytes = Path(document), get_settings().max_document_bytes
+    path = Path(document)
     try:
         data = read_at_most(path, max_bytes)
     except OSError as exc:
@@ -247,3 +262,15 @@ def _document(document: str | os.PathLike[str]) -> tuple[str, str]:
         return data.decode("utf-8-sig"), printable_name(path)
     except UnicodeDecodeError as exc:
         raise InvalidJobError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+Value = TypeVar("Value")
+
+
+def _renamed(old: str, old_value: Value | None, new: str, value: Value) -> Value:
+    """A keyword argument under its old name: it still works, with a DeprecationWarning."""
+    if old_value is None:
+        return value
+    message = f"Client.submit({old}=...) is deprecated, use {new}=..."
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return old_value

@@ -106,10 +106,11 @@ class Dispatcher:
     def prepare(self, record: JobRecord) -> Job:
         """Tokenise once (a job that waited reuses its tokens) and check the context."""
         earlier = self.stored_tokens(record)
-        tokens, shape = tokenize_and_check(record.spec, earlier)
+        allowed_dirs = self.settings.allowed_dirs
+        tokens, shape = tokenize_and_check(record.spec, earlier, allowed_dirs=allowed_dirs)
         if earlier is None:  # stored once: ranks read them, and a retry need not tokenise again
             self.store.set_tokens(record.id, tokens)
-        dtype = default_dtype(resolve_model(record.spec.model))
+        dtype = default_dtype(resolve_model(record.spec.model, allowed_dirs=allowed_dirs))
         return Job(record, tokens, shape, dtype, self.prefix_hint(record, tokens))
 
     def prefix_hint(self, record: JobRecord, tokens: list[int]) -> PrefixHint:
@@ -247,7 +248,7 @@ class Dispatcher:
         return Placement(
             strategy=group.strategy,
             kv_layout=group.kv_layout,
-            ring_size=group.ranks,
+            ranks=group.ranks,
             nodes=list(group.nodes),
             group_id=group.group_id,
             bytes_per_node=max(place.bytes_per_node, place.held_bytes),

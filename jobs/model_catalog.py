@@ -12,7 +12,6 @@ from jobs import random_models
 from jobs.errors import UnknownModelError
 from jobs.files import allowed_path
 from jobs.model_files import ModelSource, read_gguf, read_hf_config, safetensors_header
-from jobs.settings import get_settings
 
 DEFAULT_MODEL = "smollm2"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
@@ -36,9 +35,11 @@ _SHAPE_KEYS = (
 )
 
 
-def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
+def resolve_model(
+    name_or_path: str = DEFAULT_MODEL, *, allowed_dirs: Sequence[Path] | None
+) -> ModelSource:
     """A built-in name, a `.gguf` file or an HF / mlx-lm directory, checked to be one we run.
-    Files must lie in RINGQ_ALLOWED_DIRS when that is set."""
+    Files must lie in `allowed_dirs` (the caller's RINGQ_ALLOWED_DIRS); None: anywhere."""
     if name_or_path in PACKAGED_MODELS:
         source = ModelSource(name_or_path, _find_packaged_file(name_or_path), "gguf")
     elif random_models.is_random(name_or_path):
@@ -49,7 +50,7 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
             )
         source = ModelSource(name_or_path, Path(name_or_path), "random")
     else:
-        source = _local_model(name_or_path, get_settings().allowed_dirs)
+        source = _local_model(name_or_path, allowed_dirs)
     config = model_config(source)
     architecture = config["model_type"]
     if architecture not in SUPPORTED_ARCHITECTURES:

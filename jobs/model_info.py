@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from jobs.errors import InvalidJobError, RingqError, UnknownModelError
 from jobs.files import allowed_path
 from jobs.schemas import JobKind, JobSpec
-from jobs.settings import get_settings
+from jobs.settings import Settings
 
 CACHE_VERSION = 1
 _SEEN: dict[str, "ModelInfo"] = {}  # this process's answers, by file identity
@@ -34,20 +35,20 @@ class ModelInfo(BaseModel):
     max_token_bytes: int | None = None  # longest token's bytes; None: not known (no bound)
 
 
-def model_info(name: str) -> ModelInfo:
+def model_info(name: str, settings: Settings) -> ModelInfo:
     """The model's ModelInfo: from the cache when its file is unchanged, else read and checked
     (resolve_model: UnknownModelError for a model ringq cannot run) and cached."""
-    key = _identity(name)
+    key = _identity(name, settings.allowed_dirs)
     if key is not None and key in _SEEN:
         return _SEEN[key]
-    cache_file = get_settings().home / "cache" / "models.json"
+    cache_file = settings.home / "cache" / "models.json"
     cached = _read_cache(cache_file)
     info = None
     if key is not None and key in cached:
         with contextlib.suppress(ValidationError):  # a damaged entry: read the model again
             info = ModelInfo.model_validate(cached[key])
     if info is None:
-        info = _read_model(name)
+        info = _read_model(name, settings.allowed_dirs)
         if key is not None:
             cached[key] = info.model_dump(mode="json")
             _write_cache(cache_file, cached)
@@ -56,10 +57,10 @@ def model_info(name: str) -> ModelInfo:
     return info
 
 
-def check_spec(spec: JobSpec) -> None:
+def check_spec(spec: JobSpec, settings: Settings) -> None:
     """What submit checks without a tokenizer: the model runs here, and max_tokens leaves room
     for the document in its context (the dispatcher checks the exact count again)."""
-    info = model_info(spec.model)
+    info = model_info(spec.model, settings)
     generated = spec.max_tokens if spec.kind == JobKind.GENERATE else 0
     lower_bound = prompt_tokens_lower_bound(spec.document, info)
     check_context(spec.model, info.context_length, lower_bound, generated, exact=False)
@@ -104,7 +105,7 @@ def prompt_tokens_lower_bound(text: str, info: ModelInfo) -> int:
     return math.ceil(len(text.encode("utf-8", "surrogatepass")) / info.max_token_bytes)
 
 
-def _identity(name: str) -> str | None:
+def _identity(name: str, allowed_dirs: Sequence[Path] | None) -> str | None:
     """`path|size|mtime_ns` of the model's file (GGUF) or config.json (directory); None for
     random models (nothing to read) and paths that do not exist (resolve_model says why)."""
     from jobs import model_catalog, random_models
@@ -115,7 +116,7 @@ def _identity(name: str) -> str | None:
         if name in model_catalog.PACKAGED_MODELS:
             path = _packaged_file(name)
         else:
-            path = allowed_path(Path(name).expanduser(), get_settings().allowed_dirs, "model")
+            path = allowed_path(Path(name).expanduser(), allowed_dirs, "model")
             if path.is_dir():
                 path = path / "config.json"
         stat = path.stat()
@@ -131,11 +132,11 @@ def _packaged_file(name: str) -> Path:
     return packaged_file(name)
 
 
-def _read_model(name: str) -> ModelInfo:
+def _read_model(name: str, allowed_dirs: Sequence[Path] | None) -> ModelInfo:
     from jobs.model_catalog import read_model_shape, resolve_model
     from jobs.tokenizer import max_token_bytes
 
-    source = resolve_model(name)
+    source = resolve_model(name, allowed_dirs=allowed_dirs)
     try:
         shape = read_model_shape(source)
     except ValueError as exc:

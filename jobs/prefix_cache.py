@@ -68,7 +68,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from admission.vocabulary import KVLayout, Strategy
 
@@ -108,7 +108,7 @@ class CacheEntry(_Message):
     model_key: str
     tokens: int
     layout: Layout
-    ring_size: int = 1
+    ranks: int = Field(default=1, validation_alias=AliasChoices("ranks", "ring_size"))
     kv_layout: KVLayout = "replicated"
     kv_dtype: str
     shards: list[CacheShard]
@@ -129,7 +129,7 @@ class CacheEntry(_Message):
 
     def describe(self) -> str:
         """For `ringq status` / `ringq cache list`: e.g. 'ring-2 sharded on n1,n2'."""
-        shape = self.layout if self.layout == "single" else f"{self.layout}-{self.ring_size}"
+        shape = self.layout if self.layout == "single" else f"{self.layout}-{self.ranks}"
         if self.layout == "ring":
             shape += f" {self.kv_layout}"
         return f"{shape} on {','.join(self.nodes())}"

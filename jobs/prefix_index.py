@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 
 def model_key(model: str) -> str:
     """The model's identity for the hash chain: its name, and for a file on disk its size and
-    mtime, so that new weights under an old name never match old KV."""
-    source = resolve_model(model)
+    mtime, so that new weights under an old name never match old KV. Only the identity: the
+    caller has checked the model against RINGQ_ALLOWED_DIRS (dispatcher, rank)."""
+    source = resolve_model(model, allowed_dirs=None)
     if source.format == "random":
         return f"random:{source.name}"
     try:

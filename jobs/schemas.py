@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from admission.group_plan import GroupPlan
-from admission.vocabulary import Device, Exchange, KVLayout, Strategy, Transport
+from admission.vocabulary import Device, Exchange, KVLayout, Strategy, StrategyChoice, Transport
 from jobs.lifecycle import JobState
 
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "$" would allow a "\n"
@@ -20,13 +20,6 @@ StopText = Annotated[str, Field(min_length=1, max_length=256)]
 class JobKind(StrEnum):
     PREFILL = "prefill"
     GENERATE = "generate"
-
-
-class Sharding(StrEnum):
-    AUTO = "auto"
-    RING = "ring"
-    PIPELINE = "pipeline"
-    SINGLE = "single"
 
 
 class _Message(BaseModel):
@@ -43,8 +36,13 @@ class JobSpec(_Message):
     prompt: str | None = None
     max_tokens: Annotated[int, Field(ge=1, le=32768)] = 256
     temperature: Annotated[float, Field(ge=0.0, le=5.0)] = 0.0
-    ring_size: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
-    sharding: Sharding = Sharding.AUTO
+    # ranks and strategy were ring_size and sharding: records and bodies with those still validate
+    ranks: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        default="auto", validation_alias=AliasChoices("ranks", "ring_size")
+    )
+    strategy: StrategyChoice = Field(
+        default="auto", validation_alias=AliasChoices("strategy", "sharding")
+    )
     custom_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     keep_cache: bool = False  # prefill: keep the KV cache on its node for later generate jobs
     cache_from: str | None = None  # generate: start from this prefill job's kept KV cache
@@ -72,8 +70,8 @@ class JobSpec(_Message):
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":
-        if self.sharding == Sharding.SINGLE and self.ring_size not in ("auto", 1):
-            raise ValueError(f"sharding 'single' runs on one node, but ring_size={self.ring_size}")
+        if self.strategy == "single" and self.ranks not in ("auto", 1):
+            raise ValueError(f"strategy 'single' runs on one node, but ranks={self.ranks}")
         if self.keep_cache and self.kind != JobKind.PREFILL:
             raise ValueError("keep_cache is for prefill jobs (generate jobs use cache_from)")
         if self.cache_from is not None and self.kind != JobKind.GENERATE:
@@ -81,10 +79,9 @@ class JobSpec(_Message):
         if self.cache_from is not None:
             check_job_id(self.cache_from)
         if (self.keep_cache or self.cache_from) and (
-            self.sharding not in (Sharding.AUTO, Sharding.SINGLE)
-            or self.ring_size not in ("auto", 1)
+            self.strategy not in ("auto", "single") or self.ranks not in ("auto", 1)
         ):
-            raise ValueError("kept KV caches live on one node: use sharding 'single' (or auto)")
+            raise ValueError("kept KV caches live on one node: use strategy 'single' (or auto)")
         return self
 
     def prompt_text(self) -> str:
@@ -105,7 +102,7 @@ class Progress(_Message):
 class Placement(_Message):
     strategy: Strategy
     kv_layout: KVLayout = "replicated"
-    ring_size: int
+    ranks: int = Field(validation_alias=AliasChoices("ranks", "ring_size"))  # was ring_size
     nodes: list[str]
     group_id: str
     bytes_per_node: int

@@ -13,6 +13,7 @@ from jobs import keys
 from jobs.errors import InvalidJobError
 from jobs.model_info import check_spec
 from jobs.schemas import JobRecord, JobSpec, check_job_id
+from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
 
 ADMIT_TIMEOUT_S = 60  # one admission: tokenising the largest document allowed fits well within
@@ -30,14 +31,18 @@ def new_job_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def submit_job(conn: redis.Redis, spec: JobSpec, job_id: str | None = None) -> JobRecord:
-    """Validate, record and enqueue one job; returns its record (state queued)."""
+def submit_job(
+    conn: redis.Redis, spec: JobSpec, job_id: str | None = None, settings: Settings | None = None
+) -> JobRecord:
+    """Validate, record and enqueue one job; returns its record (state queued). `settings`:
+    the caller's (RINGQ_ALLOWED_DIRS, the model cache, the TTL); None: this process's."""
     try:
         job_id = check_job_id(job_id) if job_id else new_job_id()
     except ValueError as exc:
         raise InvalidJobError(str(exc)) from None
-    check_spec(spec)  # an unknown model, too many max_tokens: the user's error, said now
-    record = JobStore(conn).create(job_id, spec)
+    settings = settings or get_settings()  # a library entry point: scripts and tests call it
+    check_spec(spec, settings)  # an unknown model, too many max_tokens: the user's error, now
+    record = JobStore(conn, settings.job_ttl_s).create(job_id, spec)
     admit_queue(conn).enqueue_many([admit_data(job_id)])
     return record
 
@@ -56,15 +61,19 @@ def admit_data(job_id: str, attempt: str = "") -> EnqueueData:
 
 
 def enqueue_jobs(
-    conn: redis.Redis, jobs: Sequence[tuple[str, JobSpec]], chunk_jobs: int = 1000
+    conn: redis.Redis,
+    jobs: Sequence[tuple[str, JobSpec]],
+    chunk_jobs: int = 1000,
+    settings: Settings | None = None,
 ) -> list[JobRecord]:
     """Record and enqueue many jobs with a few pipelines (one round trip per `chunk_jobs`)
     instead of several round trips each. Ids are not checked to be free: pass fresh ones.
     Each job's record is written before its RQ job, so the dispatcher never finds an RQ job
-    without its record."""
+    without its record. `settings` as for submit_job."""
+    settings = settings or get_settings()
     for _, spec in jobs:
-        check_spec(spec)  # model metadata is cached (jobs/model_info.py)
-    store, queue = JobStore(conn), admit_queue(conn)
+        check_spec(spec, settings)  # model metadata is cached (jobs/model_info.py)
+    store, queue = JobStore(conn, settings.job_ttl_s), admit_queue(conn)
     records: list[JobRecord] = []
     for start in range(0, len(jobs), chunk_jobs):
         chunk = jobs[start : start + chunk_jobs]

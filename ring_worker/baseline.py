@@ -21,7 +21,8 @@ from ring_worker.models import load_for_this_device
 def measure(model_name: str, tokens: list[int], max_tokens: int, chunk_tokens: int) -> JobResult:
     cap_device_memory()
     started = time.perf_counter()
-    model = load_for_this_device(resolve_model(model_name))
+    # `ringq bench` checked the model against RINGQ_ALLOWED_DIRS before it started this process
+    model = load_for_this_device(resolve_model(model_name, allowed_dirs=None))
     load_s = time.perf_counter() - started
     steps = generate_step(
         mx.array(tokens), model, max_tokens=max(max_tokens, 1), prefill_step_size=chunk_tokens

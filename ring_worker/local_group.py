@@ -28,7 +28,7 @@ def run_local(
     job_id: str,
     spec: JobSpec,
     tokens: list[int],
-    ring_size: int,
+    ranks: int,
     chunk_tokens: int | None,
     *,
     scratch_root: Path,
@@ -41,20 +41,20 @@ def run_local(
     timeout_s: float | None = None,
     stop: threading.Event | None = None,
 ) -> JobResult:
-    """Spawn `ring_size` ranks on loopback, feed them the job through files, follow their
+    """Spawn `ranks` rank processes on loopback, feed them the job through files, follow their
     events. The group follows the same plan as the service's (admission.group_plan): a GPU per
     rank while there are enough, NCCL only then. Raises LocalRunError with the ranks' own reason
     when the job fails."""
     scratch_root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"run-{job_id}-", dir=scratch_root))
-    layout = Layout(strategy or ("single" if ring_size == 1 else "ring"), ring_size, kv_layout)
+    layout = Layout(strategy or ("single" if ranks == 1 else "ring"), ranks, kv_layout)
     plan = local_plan(layout, spec.model, chunk_tokens, exchange, backend)
     group = GroupSpec.from_plan(
         plan,
         group_id=scratch.name,
         job_id=job_id,
         model=spec.model,
-        addresses=[f"127.0.0.1:{p}" for p in free_loopback_ports(ring_size)],
+        addresses=[f"127.0.0.1:{p}" for p in free_loopback_ports(ranks)],
     )
     (scratch / "group.json").write_text(group.model_dump_json())
     job_file = scratch / "job.json"
@@ -62,7 +62,7 @@ def run_local(
     job_file.write_text(json.dumps({**job, "chunk_tokens": plan.chunk_tokens}))
     events = scratch / "events.jsonl"
     events.touch()
-    threads = max(1, (os.cpu_count() or 1) // ring_size)
+    threads = max(1, (os.cpu_count() or 1) // ranks)
     procs = [
         spawn_rank(
             [
@@ -85,7 +85,7 @@ def run_local(
             ),
             scratch / f"rank{rank}.log",
         )
-        for rank in range(ring_size)
+        for rank in range(ranks)
     ]
     try:
         return follow(procs, events, scratch, on_progress, timeout_s, stop)
@@ -110,7 +110,7 @@ def local_plan(
     return plan_group(
         layout,
         facts,
-        model_dtype=default_dtype(resolve_model(model)),
+        model_dtype=default_dtype(resolve_model(model, allowed_dirs=None)),  # ranks check it
         chunk_tokens=chunk_tokens or default_chunk_tokens(device),
         exchange=exchange,
     )

@@ -242,7 +242,7 @@ def make_tiny_model_dir(
     dtype: str = "float32",
 ) -> Path:
     """An HF / mlx-lm model dir with random weights and SmolLM2's tokenizer (vocab 49152)."""
-    tokenizer = load_tokenizer(resolve_model("smollm2"))
+    tokenizer = load_tokenizer(resolve_model("smollm2", allowed_dirs=None))  # built in
     config = {
         "model_type": architecture,
         "architectures": ["LlamaForCausalLM" if architecture == "llama" else "Qwen3ForCausalLM"],

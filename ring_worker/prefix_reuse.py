@@ -99,7 +99,7 @@ def wanted_positions(view: RankView, entry: CacheEntry, reuse: int) -> Ranges:
     else an even contiguous share; every other layout: the whole prefix."""
     if not view.sharded:
         return [(0, reuse)]
-    if entry.layout == "ring" and entry.kv_layout == "sharded" and entry.ring_size == view.size:
+    if entry.layout == "ring" and entry.kv_layout == "sharded" and entry.ranks == view.size:
         mine = [s for s in entry.shards if s.rank == view.rank]
         if mine:
             return clip_ranges(mine[0].ranges, reuse)
@@ -220,7 +220,7 @@ def register_entry(
     now = time.time()
     entry = CacheEntry(
         id=entry_id, model_key=model_key, tokens=len(tokens), layout=view.layout,
-        ring_size=view.size, kv_layout="sharded" if view.sharded else "replicated",
+        ranks=view.size, kv_layout="sharded" if view.sharded else "replicated",
         kv_dtype=view.kv_dtype, shards=shards, pinned=pinned, created_at=now, last_used_at=now,
         blocks=len(tokens) // BLOCK_TOKENS,
     )  # fmt: skip

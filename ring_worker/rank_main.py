@@ -207,7 +207,7 @@ def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
         cap_device_memory(ctx.settings.rank_memory_limit_bytes)
     mx_group = join_group(group.addresses, rank, ctx.scratch_dir, group.transport)
     stop_if_cancelled(mx_group, io, "before loading the model")
-    source = resolve_model(group.model)
+    source = resolve_model(group.model, allowed_dirs=ctx.settings.allowed_dirs)
     prune = None
     if group.strategy == "pipeline" and group.ranks > 1:
         prune = partial(keep_stage, rank=rank, size=group.ranks)

@@ -39,7 +39,7 @@ def list_models() -> dict[str, Any]:
 @router.get("/models/{model_id:path}")
 def retrieve_model(model_id: str, settings: Config) -> dict[str, Any]:
     check_served_model(model_id, settings)
-    resolve_model(model_id)
+    resolve_model(model_id, allowed_dirs=settings.allowed_dirs)
     return _model(model_id)
 
 
@@ -65,7 +65,7 @@ def _submit(conn: Conn, settings: Settings, body: dict[str, Any]) -> BatchEntry:
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required: a ringq model name", param="model")
     check_served_model(model, settings)
-    resolve_model(model)  # an unknown model is a 404, as OpenAI answers it
+    resolve_model(model, allowed_dirs=settings.allowed_dirs)  # unknown: a 404, as OpenAI says
     line = {"custom_id": "chat", "method": "POST", "url": CHAT_COMPLETIONS_URL, "body": body}
     defaults = Defaults(
         None, settings.default_model, DEFAULT_MAX_TOKENS, settings.max_document_bytes

@@ -46,7 +46,9 @@ def calibration() -> tuple[int, list[tuple[str, int, str, float, list[int]]]]:
 
 @cache
 def shape(model: str):
-    return read_model_shape(resolve_model(model), dtype="float32")  # CPU ranks run float32
+    return read_model_shape(
+        resolve_model(model, allowed_dirs=None), dtype="float32"
+    )  # CPU ranks run float32
 
 
 def estimate_bytes(model: str, pp: int, layout: Layout, chunk_tokens: int) -> int:

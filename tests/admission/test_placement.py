@@ -23,13 +23,13 @@ SHAPE = ModelShape(
 )
 
 
-def request(tokens=2000, ring_size=None, sharding="auto", kv_layout="auto"):
+def request(tokens=2000, ranks=None, strategy="auto", kv_layout="auto"):
     return PlacementRequest(
         prompt_tokens=tokens,
         max_new_tokens=100,
         chunk_tokens=512,
-        ring_size=ring_size,
-        sharding=sharding,
+        ranks=ranks,
+        strategy=strategy,
         ring_min_tokens=1024,
         kv_layout=kv_layout,
     )
@@ -60,11 +60,11 @@ def test_quantized_nodes_count_stored_weights():
         (request(tokens=100), nodes(8, 8), "single", 1),  # short prompt: one node
         (request(tokens=4000), nodes(8, 8), "ring", 2),  # long prompt: every live node
         (request(tokens=4000), nodes(8, 0.1), "single", 1),  # only one node has room
-        (request(ring_size=2), nodes(8, 8, 8), "ring", 2),
-        (request(sharding="single", tokens=4000), nodes(8, 8), "single", 1),
-        (request(sharding="ring", tokens=10), nodes(8, 8, 8), "ring", 2),  # fewest that fit
-        (request(sharding="pipeline", ring_size=3), nodes(8, 8, 8), "pipeline", 3),
-        (request(sharding="pipeline"), nodes(8, 8), "pipeline", 2),
+        (request(ranks=2), nodes(8, 8, 8), "ring", 2),
+        (request(strategy="single", tokens=4000), nodes(8, 8), "single", 1),
+        (request(strategy="ring", tokens=10), nodes(8, 8, 8), "ring", 2),  # fewest that fit
+        (request(strategy="pipeline", ranks=3), nodes(8, 8, 8), "pipeline", 3),
+        (request(strategy="pipeline"), nodes(8, 8), "pipeline", 2),
     ],
 )
 def test_plans(req, live, strategy, count):
@@ -85,19 +85,19 @@ def test_pipeline_ranks_hold_their_share_of_weights_and_kv():
 
 def test_a_pipeline_longer_than_the_model_is_refused():
     with pytest.raises(CannotPlace, match="a pipeline of 31 needs 31 layers; the model has 30"):
-        plan_placement(SHAPE, request(sharding="pipeline", ring_size=31), nodes(*[8] * 31))
+        plan_placement(SHAPE, request(strategy="pipeline", ranks=31), nodes(*[8] * 31))
 
 
 def test_largest_nodes_first():
-    plan = plan_placement(SHAPE, request(ring_size=1), nodes(2, 8, 4))
+    plan = plan_placement(SHAPE, request(ranks=1), nodes(2, 8, 4))
     assert plan.nodes == ("n1",)
 
 
 def test_preferred_nodes_first_among_those_that_fit():
     """A node holding the job's kept prefix goes first, if it fits."""
-    prefer = replace(request(ring_size=1), preferred_nodes=("n2",))
+    prefer = replace(request(ranks=1), preferred_nodes=("n2",))
     assert plan_placement(SHAPE, prefer, nodes(2, 8, 4)).nodes == ("n2",)
-    too_small = replace(request(ring_size=1), preferred_nodes=("n0",))
+    too_small = replace(request(ranks=1), preferred_nodes=("n0",))
     assert plan_placement(SHAPE, too_small, nodes(0.01, 8, 4)).nodes == ("n1",)
 
 
@@ -105,9 +105,9 @@ def test_preferred_nodes_first_among_those_that_fit():
     ("req", "live", "message"),
     [
         (request(), [], "no live nodes"),
-        (request(ring_size=3), nodes(8, 8), "needs 3 nodes; 2 live"),
+        (request(ranks=3), nodes(8, 8), "needs 3 nodes; 2 live"),
         (request(kv_layout="replicated"), nodes(0.2, 0.3), r"tried ring-2 \(replicated KV\)"),
-        (request(sharding="ring"), nodes(8), "at least 2 nodes"),
+        (request(strategy="ring"), nodes(8), "at least 2 nodes"),
         (request(), nodes(0.2, 0.3), r"n0: needs .* GiB .* has 0.20 GiB"),
     ],
 )

@@ -6,6 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+from jobs import keys
 
 DOCUMENT = "The Eddystone rocks lie fourteen kilometres off Plymouth. " * 30
 
@@ -43,8 +47,8 @@ def test_run_ring_and_single_agree(doc, tiny_llama_dir):
         "--chunk-tokens",
         "64",
     ]
-    ring = json.loads(ringq("run", *common, "--sharding", "ring", "--ring-size", "2").stdout)
-    single = json.loads(ringq("run", *common, "--sharding", "single").stdout)
+    ring = json.loads(ringq("run", *common, "--strategy", "ring", "--ranks", "2").stdout)
+    single = json.loads(ringq("run", *common, "--strategy", "single").stdout)
     for payload in (ring, single):
         assert {
             "id",
@@ -56,7 +60,7 @@ def test_run_ring_and_single_agree(doc, tiny_llama_dir):
             "generation_tps",
             "peak_memory_bytes",
         } <= payload.keys()
-    assert ring["state"] == "finished" and ring["ring_size"] == 2
+    assert ring["state"] == "finished" and ring["ranks"] == 2
     assert len(ring["peak_memory_bytes"]) == 2 and len(single["peak_memory_bytes"]) == 1
     assert ring["text"] == single["text"] and ring["prompt_tokens"] == single["prompt_tokens"]
 
@@ -69,7 +73,7 @@ def test_run_ring_and_single_agree(doc, tiny_llama_dir):
         (b"   \n", ["run", "prefill", "{file}"], "empty"),
         (b"text", ["run", "prefill", "{file}", "--model", "gpt-17"], "gpt-17"),
         (b"text", ["run", "generate", "{file}", "--max-tokens", "0"], "max_tokens"),
-        (b"text", ["submit", "prefill", "{file}", "--ring-size", "two"], "ring-size"),
+        (b"text", ["submit", "prefill", "{file}", "--ranks", "two"], "ranks"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr(tmp_path, setup, args, message):
@@ -95,7 +99,7 @@ def test_submit_status_result_against_a_running_cluster(cluster, doc, tiny_llama
         "Where?",
         "--max-tokens",
         "6",
-        "--ring-size",
+        "--ranks",
         "2",
         "--id",
         "cli-job-1",
@@ -106,7 +110,7 @@ def test_submit_status_result_against_a_running_cluster(cluster, doc, tiny_llama
     watched = ringq("status", "cli-job-1", "--watch", "--json", env_extra=env)
     status = json.loads(watched.stdout)
     assert status["state"] == "finished", status
-    assert status["placement"]["strategy"] == "ring" and status["placement"]["ring_size"] == 2
+    assert status["placement"]["strategy"] == "ring" and status["placement"]["ranks"] == 2
     assert {"id", "kind", "state", "progress", "placement", "error"} <= status.keys()
     result = json.loads(ringq("result", "cli-job-1", "--json", env_extra=env).stdout)
     assert result["state"] == "finished" and result["generated_tokens"] >= 1
@@ -126,7 +130,7 @@ def assert_stop_string_ends_the_text(env, doc, model_dir, text: str) -> None:
     stop = text.strip()[len(text.strip()) // 2]
     submitted = ringq(
         *("submit", "generate", str(doc), "--model", str(model_dir), "--prompt", "Where?"),
-        *("--max-tokens", "6", "--ring-size", "2", "--stop", stop, "--seed", "1"),
+        *("--max-tokens", "6", "--ranks", "2", "--stop", stop, "--seed", "1"),
         env_extra=env,
     )
     assert submitted.returncode == 0, submitted.stderr
@@ -140,3 +144,38 @@ def assert_stop_string_ends_the_text(env, doc, model_dir, text: str) -> None:
 def test_status_of_unknown_job(cluster):
     proc = ringq("status", "nope", env_extra={"RINGQ_REDIS_URL": cluster.url})
     assert proc.returncode == 1 and "no job 'nope'" in proc.stderr
+
+
+def test_the_old_flags_still_work_with_a_note_and_the_record_has_the_new_names(
+    redis_url, redis_conn, doc, tmp_path
+):
+    env = {"RINGQ_REDIS_URL": redis_url, "RINGQ_HOME": str(tmp_path)}
+    common = ("submit", "prefill", str(doc), "--model", "random:tiny-llama")
+    old = ringq(*common, "--sharding", "pipeline", "--ring-size", "2", env_extra=env)
+    assert old.returncode == 0, old.stderr
+    assert old.stderr.splitlines() == [
+        "--sharding is deprecated, use --strategy",
+        "--ring-size is deprecated, use --ranks",
+    ]
+    new = ringq(*common, "--strategy", "pipeline", "--ranks", "2", env_extra=env)
+    assert new.returncode == 0 and new.stderr == ""
+    for job_id in (old.stdout.strip(), new.stdout.strip()):
+        spec = json.loads(redis_conn.hget(keys.job(job_id), "spec"))
+        assert (spec["strategy"], spec["ranks"]) == ("pipeline", 2), spec
+        assert not {"sharding", "ring_size"} & spec.keys()
+    bad = ringq(*common, "--ring-size", "two", env_extra=env)
+    assert bad.returncode == 2 and "'two' is not a number or 'auto'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "new", "old"),
+    [
+        ("submit", ["--strategy", "--ranks"], ["--sharding", "--ring-size"]),
+        ("run", ["--strategy", "--ranks"], ["--sharding", "--ring-size"]),
+        ("bench", ["--strategy", "--ranks"], ["--sharding", "--ring-size"]),
+        ("demo", ["--ranks"], ["--ring-size"]),
+    ],
+)
+def test_help_shows_only_the_new_flag_names(command, new, old):
+    shown = CliRunner().invoke(cli, [command, "--help"]).output
+    assert all(flag in shown for flag in new) and not any(flag in shown for flag in old)

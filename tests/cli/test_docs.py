@@ -39,9 +39,11 @@ def resolve(usage: str) -> tuple[str, click.Command]:
     return " ".join(path), command
 
 
-def option_names(command: click.Command) -> set[str]:
-    names = {name for param in command.params for name in param.opts + param.secondary_opts}
-    return names | set(command.get_help_option_names(click.Context(command)))
+def option_names(command: click.Command, hidden: bool = False) -> set[str]:
+    """The options `--help` shows, or (hidden=True) those it hides: old names kept working."""
+    params = [p for p in command.params if getattr(p, "hidden", False) == hidden]
+    names = {name for param in params for name in param.opts + param.secondary_opts}
+    return names if hidden else names | set(command.get_help_option_names(click.Context(command)))
 
 
 def table_problems(readme_text: str) -> list[str]:
@@ -53,9 +55,12 @@ def table_problems(readme_text: str) -> list[str]:
             problems.append(f"`{usage}`: `ringq {path}` is a group, not a command")
             continue
         listed.add(path)
-        unknown = sorted(set(OPTION.findall(usage)) - option_names(command))
+        shown = set(OPTION.findall(usage))
+        unknown = sorted(shown - option_names(command) - option_names(command, hidden=True))
         if unknown:
             problems.append(f"`{usage}`: `ringq {path}` has no {', '.join(unknown)}")
+        if old := sorted(shown & option_names(command, hidden=True)):
+            problems.append(f"`{usage}`: {', '.join(old)} of `ringq {path}`: a deprecated name")
     missing = sorted(set(leaf_commands(cli)) - listed)
     problems += [f"`ringq {name}` is not in the table" for name in missing]
     return problems
@@ -76,6 +81,7 @@ def test_the_table_has_rows():
         ("| `ringq status JOB [--watch] [--bogus]` | x |", "has no --bogus"),
         ("| `ringq batch results BATCH -x OUT` | x |", "has no -x"),
         ("| `ringq batch [--json]` | x |", "is a group"),
+        ("| `ringq submit prefill FILE [--ring-size N]` | x |", "--ring-size of `ringq submit`: a"),
     ],
 )
 def test_a_wrong_row_is_reported(row, problem):

@@ -30,7 +30,7 @@ def test_sigterm_stops_ringq_run_and_its_ranks(tiny_llama_dir, tmp_path):
     document.write_text(LONG_DOCUMENT)
     run = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "run", "prefill", str(document), "--json"]
-        + ["--model", str(tiny_llama_dir), "--ring-size", "2", "--chunk-tokens", "16"],
+        + ["--model", str(tiny_llama_dir), "--ranks", "2", "--chunk-tokens", "16"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -51,7 +51,7 @@ def test_status_says_the_default_prompt_the_waiting_reason_and_the_placement_rea
     assert "prompt: none given, so the default: “Summarise the document" in waiting
     placement = Placement(
         strategy="ring",
-        ring_size=2,
+        ranks=2,
         nodes=["a", "b"],
         group_id="g",
         bytes_per_node=1,

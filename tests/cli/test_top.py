@@ -65,7 +65,7 @@ def busy(redis_conn):
     store.put_node(node_info("node-1", 16, 8), ttl_s=60)
     ids = [submit_job(redis_conn, spec(), f"job-{i}").id for i in range(5)]
     placement = Placement(
-        strategy="ring", ring_size=2, nodes=["node-0", "node-1"], group_id="g1", bytes_per_node=1
+        strategy="ring", ranks=2, nodes=["node-0", "node-1"], group_id="g1", bytes_per_node=1
     )
     store.transition(ids[0], JobState.ADMITTED, placement=placement)
     store.transition(ids[0], JobState.LOADING)

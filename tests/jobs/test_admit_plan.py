@@ -30,7 +30,7 @@ def job(tokens: int, **spec_fields) -> Job:
         created_at=now,
         updated_at=now,
     )
-    shape = read_model_shape(resolve_model(MODEL), dtype="float32")
+    shape = read_model_shape(resolve_model(MODEL, allowed_dirs=None), dtype="float32")
     return Job(record, list(range(tokens)), shape, "bfloat16")
 
 
@@ -116,10 +116,10 @@ def test_no_live_node_waits_when_some_were_known_and_rejects_when_none_ever_were
 
 def test_a_two_node_job_waits_while_a_known_node_is_down_and_fails_if_there_never_were_two():
     one = [cpu("n0")]
-    wait = plan_admission(job(10, ring_size=2), Cluster(one, {}, [], known_nodes=2), SETTINGS)
+    wait = plan_admission(job(10, ranks=2), Cluster(one, {}, [], known_nodes=2), SETTINGS)
     assert isinstance(wait, Wait) and "come back" in wait.reason
     with pytest.raises(AdmissionError, match="needs 2 nodes; 1 live"):
-        plan_admission(job(10, ring_size=2), Cluster(one, {}, [], known_nodes=1), SETTINGS)
+        plan_admission(job(10, ranks=2), Cluster(one, {}, [], known_nodes=1), SETTINGS)
 
 
 def idle_group(nodes: list[str], transport: Transport = "nccl") -> GroupSpec:

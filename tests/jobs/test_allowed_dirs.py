@@ -17,9 +17,11 @@ from jobs.errors import ForbiddenPathError
 from jobs.files import allowed_path
 from jobs.lifecycle import JobState
 from jobs.model_catalog import resolve_model
+from jobs.model_info import check_spec
+from jobs.prompts import tokenize_and_check
 from jobs.redis_server import connect
 from jobs.schemas import JobKind, JobSpec
-from jobs.settings import get_settings
+from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
 from jobs.submit import submit_job
 from tests.helpers import private_cluster
@@ -76,31 +78,49 @@ def test_allowed_path_table(dirs):
         allowed_path(allowed / "escape" / "b", [allowed], "x")
 
 
-def test_model_paths_outside_the_allowed_dirs_are_refused(dirs, tiny_llama_dir, allow):
+def test_model_paths_outside_the_allowed_dirs_are_refused(dirs, tiny_llama_dir):
     allowed, outside = dirs
     inside_model = copy_model(tiny_llama_dir, allowed / "tiny")
     (allowed / "link").symlink_to(tiny_llama_dir)  # a symlink in an allowed dir, leading out
     leaky = copy_model(tiny_llama_dir, allowed / "leaky")
     (leaky / "model.safetensors").unlink()
     (leaky / "model.safetensors").symlink_to(tiny_llama_dir / "model.safetensors")
-    allow(allowed)
-    assert resolve_model(str(inside_model)).path == inside_model.resolve()
-    assert resolve_model(str(outside / ".." / "allowed" / "tiny")).format == "hf"
-    assert resolve_model("smollm2").format == "gguf"  # built-ins are the service's own files
-    assert resolve_model("random:tiny-llama").format == "random"
+
+    def resolve(name: str):
+        return resolve_model(name, allowed_dirs=[allowed])
+
+    assert resolve(str(inside_model)).path == inside_model.resolve()
+    assert resolve(str(outside / ".." / "allowed" / "tiny")).format == "hf"
+    assert resolve("smollm2").format == "gguf"  # built-ins are the service's own files
+    assert resolve("random:tiny-llama").format == "random"
     for bad in (tiny_llama_dir, allowed / "link", allowed / ".." / "outside", outside / "x.gguf"):
         with pytest.raises(ForbiddenPathError) as caught:
-            resolve_model(str(bad))
+            resolve(str(bad))
         assert str(bad) in str(caught.value) and str(allowed.resolve()) in str(caught.value)
     with pytest.raises(ForbiddenPathError, match="model file .*model.safetensors"):
-        resolve_model(str(leaky))
+        resolve(str(leaky))
 
 
 def test_unset_means_anywhere(tiny_llama_dir, allow, monkeypatch):
     monkeypatch.delenv("RINGQ_ALLOWED_DIRS", raising=False)
     get_settings.cache_clear()
     assert get_settings().allowed_dirs is None
-    assert resolve_model(str(tiny_llama_dir)).format == "hf"
+    assert resolve_model(str(tiny_llama_dir), allowed_dirs=None).format == "hf"
+
+
+def test_the_allowed_dirs_come_from_the_callers_settings(dirs, tiny_llama_dir, monkeypatch):
+    """Settings are passed down: submit checks the model against the settings it is given,
+    whatever this process's environment says."""
+    allowed, _ = dirs
+    monkeypatch.delenv("RINGQ_ALLOWED_DIRS", raising=False)
+    get_settings.cache_clear()
+    spec = JobSpec(kind=JobKind.PREFILL, document="A short document.", model=str(tiny_llama_dir))
+    restricted = Settings(home=allowed, allowed_dirs=[allowed])
+    with pytest.raises(ForbiddenPathError, match="outside RINGQ_ALLOWED_DIRS"):
+        check_spec(spec, restricted)
+    with pytest.raises(ForbiddenPathError, match="outside RINGQ_ALLOWED_DIRS"):
+        tokenize_and_check(spec, allowed_dirs=restricted.allowed_dirs)
+    check_spec(spec, Settings(home=allowed))  # no restriction: it runs
 
 
 def test_batch_document_paths_outside_the_allowed_dirs_are_refused(dirs):

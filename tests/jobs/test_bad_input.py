@@ -243,8 +243,8 @@ def submit_cases() -> list[Case]:
     options = {
         "--max-tokens": ["0", "-1", "32769", "1000000000000", "abc", "1.5", ""],
         "--temperature": ["-0.1", "5.1", "nan", "inf", "-inf", "1e400", "hot", ""],
-        "--ring-size": ["0", "-2", "65", "1000", "x", "1.5", "", "auto2"],
-        "--sharding": ["bogus", "RING", ""],
+        "--ranks": ["0", "-2", "65", "1000", "x", "1.5", "", "auto2"],
+        "--strategy": ["bogus", "RING", ""],
         "--id": ["-x", "a b", "x" * 65, "../etc", "a/b", "é", "a:b", ".hidden"],
     }
     for option, values in options.items():
@@ -258,8 +258,8 @@ def submit_cases() -> list[Case]:
     cases += [
         Case(
             "single-with-ring-2",
-            ("submit", "prefill", good, "--sharding=single", "--ring-size=2"),
-            "ring_size=2",
+            ("submit", "prefill", good, "--strategy=single", "--ranks=2"),
+            "ranks=2",
         ),
         Case(
             "id-for-two-files",
@@ -574,13 +574,13 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("max-tokens-list", {"kind": "prefill", "document": "x", "max_tokens": [1]}, "max_tokens"),
     ("max-tokens-1.5", {"kind": "prefill", "document": "x", "max_tokens": 1.5}, "max_tokens"),
     ("temperature-x", {"kind": "prefill", "document": "x", "temperature": "x"}, "temperature"),
-    ("ring-size-big", {"kind": "prefill", "document": "x", "ring_size": "big"}, "ring_size"),
-    ("ring-size-0", {"kind": "prefill", "document": "x", "ring_size": 0}, "ring_size"),
-    ("sharding-x", {"kind": "prefill", "document": "x", "sharding": "x"}, "sharding"),
+    ("ranks-big", {"kind": "prefill", "document": "x", "ranks": "big"}, "ranks"),
+    ("ranks-0", {"kind": "prefill", "document": "x", "ranks": 0}, "ranks"),
+    ("strategy-x", {"kind": "prefill", "document": "x", "strategy": "x"}, "strategy"),
     (
         "single-ring-3",
-        {"kind": "prefill", "document": "x", "sharding": "single", "ring_size": 3},
-        "ring_size=3",
+        {"kind": "prefill", "document": "x", "strategy": "single", "ranks": 3},
+        "ranks=3",
     ),
     ("custom-id-empty", {"kind": "prefill", "document": "x", "custom_id": ""}, "custom_id"),
     ("model-empty", {"kind": "prefill", "document": "x", "model": ""}, "model"),
@@ -680,7 +680,7 @@ def test_bad_jobs_fail_in_the_cluster_and_it_stays_up(cluster, corpus):
             "does not fit on the live nodes",
         ),
         "more-ranks-than-nodes": (
-            JobSpec(document="short", ring_size=8, **tiny),
+            JobSpec(document="short", ranks=8, **tiny),
             "8 nodes; 2 live",
         ),
         # past submit's model check, as if the model went away before admission

@@ -13,13 +13,14 @@ import pytest
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from admission.vocabulary import StrategyChoice
 from cli.services import LocalCluster
 from jobs import keys
 from jobs.cancel import cancel_job
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
 from jobs.reservations import Reservations
-from jobs.schemas import JobKind, JobRecord, JobSpec, Placement, Progress, Sharding
+from jobs.schemas import JobKind, JobRecord, JobSpec, Placement, Progress
 from jobs.store import JobStore
 from jobs.submit import submit_job
 from tests.helpers import (
@@ -55,13 +56,13 @@ def store(cancel_cluster):
     return JobStore(connect(cancel_cluster.url))
 
 
-def prefill_spec(model_dir, sharding: Sharding = Sharding.AUTO) -> JobSpec:
+def prefill_spec(model_dir, strategy: StrategyChoice = "auto") -> JobSpec:
     return JobSpec(
         kind=JobKind.PREFILL,
         document=LONG_DOCUMENT,
         model=str(model_dir),
-        ring_size=2,
-        sharding=sharding,
+        ranks=2,
+        strategy=strategy,
     )
 
 
@@ -97,14 +98,14 @@ def test_cancel_admitted_job_starts_no_rank(cancel_cluster, store, tiny_llama_di
     assert final.state == JobState.CANCELLED and final.error == "cancelled before it started"
 
 
-@pytest.mark.parametrize("sharding", [Sharding.RING, Sharding.PIPELINE])
+@pytest.mark.parametrize("strategy", ["ring", "pipeline"])
 def test_cancel_running_job_stops_every_rank_at_a_chunk(
-    cancel_cluster, store, tiny_llama_dir, sharding
+    cancel_cluster, store, tiny_llama_dir, strategy
 ):
-    record = submit_job(store.conn, prefill_spec(tiny_llama_dir, sharding))
+    record = submit_job(store.conn, prefill_spec(tiny_llama_dir, strategy))
     record = wait_for(lambda: in_prefill(store.get(record.id)), "prefill to start")
     assert record.placement is not None
-    assert record.placement.strategy == sharding.value
+    assert record.placement.strategy == strategy
     ranks = rank_processes(record.placement.group_id)
     assert len(ranks) == 2
     with stopped(ranks):  # the ring waits mid-prefill while `ringq cancel` runs
@@ -138,9 +139,7 @@ def test_cancel_of_a_finished_or_unknown_job_is_an_error(cancel_cluster, store):
 def finished_record(store: JobStore, job_id: str) -> JobRecord:
     """A job record walked through the lifecycle to `finished` (no ranks needed)."""
     store.create(job_id, JobSpec(kind=JobKind.PREFILL, document="short"))
-    placement = Placement(
-        strategy="single", ring_size=1, nodes=["x"], group_id="g", bytes_per_node=1
-    )
+    placement = Placement(strategy="single", ranks=1, nodes=["x"], group_id="g", bytes_per_node=1)
     store.transition(job_id, JobState.ADMITTED, placement=placement)
     for state in (JobState.LOADING, JobState.PREFILL):
         store.transition(job_id, state)
@@ -179,7 +178,7 @@ def test_cancel_in_decode_keeps_the_text_generated_so_far(cancel_cluster, store)
         document="A short document.",
         model="random:tiny-llama",
         max_tokens=4000,
-        sharding=Sharding.SINGLE,
+        strategy="single",
     )
     record = submit_job(store.conn, spec)
 

@@ -9,7 +9,7 @@ import pytest
 
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
-from jobs.schemas import JobKind, JobSpec, Sharding
+from jobs.schemas import JobKind, JobSpec
 from jobs.store import JobStore
 from jobs.submit import submit_job
 from ring_worker.checkpoint import SUFFIX, checkpoint_bytes
@@ -35,8 +35,8 @@ def test_a_retried_ring_prefill_continues_from_its_checkpoint():
         prompt="Go on.",
         max_tokens=8,
         model="random:tiny-llama",
-        sharding=Sharding.RING,
-        ring_size=2,
+        strategy="ring",
+        ranks=2,
     )
     with private_cluster("ckpt", ENV) as cluster:
         store = JobStore(connect(cluster.url))

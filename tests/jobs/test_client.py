@@ -1,11 +1,13 @@
 """The Python client (jobs/client.py) against a real redis-server: what a script does."""
 
+import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from jobs import keys
 from jobs.client import Client
 from jobs.errors import InvalidJobError, JobFailedError, JobNotFinishedError, RedisUnavailableError
 from jobs.lifecycle import JobState
@@ -49,6 +51,22 @@ def test_submit_text_or_a_file(client, tmp_path):
     assert [j.id for j in client.jobs()] == ["mine", by_text.id]
     with pytest.raises(InvalidJobError, match="no such file|No such file"):
         client.submit(Path(tmp_path / "missing.txt"), model=MODEL)
+
+
+def test_submit_takes_ranks_and_strategy_and_still_the_old_names(client, redis_conn):
+    new = client.submit("Some text.", model=MODEL, ranks=2, strategy="ring")
+    with pytest.warns(DeprecationWarning) as warned:
+        old = client.submit("Some text.", model=MODEL, ring_size=2, sharding="ring")
+    assert sorted(str(w.message) for w in warned) == [
+        "Client.submit(ring_size=...) is deprecated, use ranks=...",
+        "Client.submit(sharding=...) is deprecated, use strategy=...",
+    ]
+    for record in (new, old):
+        assert (record.spec.ranks, record.spec.strategy) == (2, "ring")
+        stored = json.loads(redis_conn.hget(keys.job(record.id), "spec"))
+        assert (stored["ranks"], stored["strategy"]) == (2, "ring") and "ring_size" not in stored
+    with pytest.raises(ValueError, match="strategy"):
+        client.submit("Some text.", model=MODEL, strategy="tree")  # type: ignore[arg-type]
 
 
 def test_submit_checks_max_tokens_against_the_context(client):

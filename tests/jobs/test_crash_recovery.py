@@ -79,7 +79,7 @@ def assert_group_gone(store: JobStore, record: JobRecord) -> None:
 def test_a_rank_killed_mid_prefill_is_torn_down_and_the_job_retried(
     crash_cluster, store, tiny_llama_dir
 ):
-    record = submit_job(store.conn, long_job(tiny_llama_dir, ring_size=2))
+    record = submit_job(store.conn, long_job(tiny_llama_dir, ranks=2))
     record = wait_for(lambda: in_prefill(store.get(record.id)), "prefill to start")
     group_id = record.placement.group_id
     survivor, victim = rank_pid(group_id, 0), rank_pid(group_id, 1)
@@ -114,7 +114,7 @@ def test_a_killed_node_agent_takes_its_ranks_down_and_the_job_moves_to_the_other
     finally:
         crash_cluster.restart("crash-1")
     wait_for(lambda: any(n.name == "crash-1" for n in store.live_nodes()), "the agent to be back")
-    again = finished(store, submit_job(store.conn, long_job(tiny_llama_dir, ring_size=2)).id)
+    again = finished(store, submit_job(store.conn, long_job(tiny_llama_dir, ranks=2)).id)
     assert sorted(again.placement.nodes) == ["crash-0", "crash-1"] and again.attempt == 0
 
 

@@ -100,6 +100,6 @@ def test_a_cut_link_fails_the_group_cleanly_and_the_retry_avoids_it(split_cluste
     in_namespace(namespace_a, "ip", "link", "set", "va", "down")
     final = wait_for(lambda: final_record(store, record.id), "the job to end", timeout_s=120)
     assert final.state == JobState.FINISHED, final.error
-    assert final.attempt == 1 and final.placement.ring_size == 1
+    assert final.attempt == 1 and final.placement.ranks == 1
     assert "stalled" in final.retry_reasons[0], final.retry_reasons
     wait_for(lambda: not rank_processes(record.placement.group_id), "the cut group's ranks to end")

@@ -81,8 +81,8 @@ SPECS = mutated(
         "prompt": st.none() | ANY_TEXT,
         "max_tokens": MAX_TOKENS,
         "temperature": TEMPERATURES,
-        "ring_size": st.sampled_from(["auto", 1, 2, 64]),
-        "sharding": st.sampled_from(["auto", "ring", "pipeline"]),
+        "ranks": st.sampled_from(["auto", 1, 2, 64]),
+        "strategy": st.sampled_from(["auto", "ring", "pipeline"]),
         "custom_id": CUSTOM_IDS,
     },
 )

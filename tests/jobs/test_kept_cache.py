@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from jobs.lifecycle import JobState
 from jobs.prefix_index import PrefixIndex
 from jobs.redis_server import connect
-from jobs.schemas import JobKind, JobRecord, JobSpec, Sharding
+from jobs.schemas import JobKind, JobRecord, JobSpec
 from jobs.store import JobStore
 from jobs.submit import submit_job
 from tests.helpers import final_record, wait_for
@@ -65,8 +65,8 @@ def test_cache_from_a_job_without_a_cache_fails_clearly(store, tiny_llama_dir):
     [
         ({"kind": JobKind.GENERATE, "keep_cache": True}, "keep_cache is for prefill jobs"),
         ({"kind": JobKind.PREFILL, "cache_from": "abc"}, "cache_from is for generate jobs"),
-        ({"kind": JobKind.PREFILL, "keep_cache": True, "ring_size": 2}, "live on one node"),
-        ({"kind": JobKind.GENERATE, "cache_from": "a", "sharding": Sharding.RING}, "one node"),
+        ({"kind": JobKind.PREFILL, "keep_cache": True, "ranks": 2}, "live on one node"),
+        ({"kind": JobKind.GENERATE, "cache_from": "a", "strategy": "ring"}, "one node"),
         ({"kind": JobKind.GENERATE, "cache_from": "bad id!"}, "invalid job id"),
     ],
 )

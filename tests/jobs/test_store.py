@@ -1,5 +1,6 @@
 """Job records against a real redis-server."""
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -24,6 +25,25 @@ def test_create_and_read_back(store):
     created = store.create("j1", SPEC)
     assert store.get("j1") == created
     assert created.state == JobState.QUEUED
+
+
+def test_a_record_written_with_ring_size_and_sharding_still_reads(store, redis_conn):
+    """Records of the version before the rename: spec.ring_size / spec.sharding and
+    placement.ring_size. They read as ranks / strategy, and the next write uses the new names."""
+    store.create("old", SPEC)
+    old_spec = {**SPEC.model_dump(mode="json"), "ring_size": 2, "sharding": "ring"}
+    del old_spec["ranks"], old_spec["strategy"]
+    old_placement = {"strategy": "ring", "ring_size": 2, "nodes": ["a", "b"], "group_id": "g",
+                     "bytes_per_node": 1}  # fmt: skip
+    redis_conn.hset(
+        keys.job("old"),
+        mapping={"spec": json.dumps(old_spec), "placement": json.dumps(old_placement)},
+    )
+    record = store.get("old")
+    assert (record.spec.ranks, record.spec.strategy, record.placement.ranks) == (2, "ring", 2)
+    store.transition("old", JobState.ADMITTED, placement=record.placement)
+    written = json.loads(redis_conn.hget(keys.job("old"), "placement"))
+    assert written["ranks"] == 2 and "ring_size" not in written
 
 
 def test_duplicate_id_is_rejected_and_the_first_job_kept(store):

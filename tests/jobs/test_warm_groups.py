@@ -12,7 +12,7 @@ from jobs.cancel import cancel_job
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
 from jobs.reservations import Reservations
-from jobs.schemas import JobKind, JobRecord, JobSpec, Sharding
+from jobs.schemas import JobKind, JobRecord, JobSpec
 from jobs.store import JobStore
 from jobs.submit import submit_job
 from tests.helpers import (
@@ -66,10 +66,10 @@ def retired(store: JobStore, record: JobRecord) -> bool:
 
 
 def test_the_next_job_runs_on_the_loaded_group_and_answers_the_same(store, tiny_llama_dir):
-    cold = run(store, generate(tiny_llama_dir).model_copy(update={"ring_size": 2}))
+    cold = run(store, generate(tiny_llama_dir).model_copy(update={"ranks": 2}))
     pids = sorted(rank_processes(cold.placement.group_id))
     assert len(pids) == 2 and not cold.placement.warm and cold.result.load_s > 0
-    warm = run(store, generate(tiny_llama_dir).model_copy(update={"ring_size": 2}))
+    warm = run(store, generate(tiny_llama_dir).model_copy(update={"ranks": 2}))
     assert warm.placement.group_id == cold.placement.group_id and warm.placement.warm
     assert warm.result.load_s == 0 and sorted(rank_processes(cold.placement.group_id)) == pids
     assert warm.result.text == cold.result.text  # nothing of the first job's cache is left
@@ -79,9 +79,7 @@ def test_the_next_job_runs_on_the_loaded_group_and_answers_the_same(store, tiny_
 
 
 def test_a_cancelled_job_leaves_the_group_warm_for_the_next(store, tiny_llama_dir):
-    spec = JobSpec(
-        kind=JobKind.PREFILL, document=LONG_DOCUMENT, model=str(tiny_llama_dir), ring_size=2
-    )
+    spec = JobSpec(kind=JobKind.PREFILL, document=LONG_DOCUMENT, model=str(tiny_llama_dir), ranks=2)
     first = run(store, spec.model_copy(update={"document": "A short one. " * 30}))
     second = submit_job(store.conn, spec)  # longer: the group's reservation grows
     running = wait_for(lambda: in_prefill(store.get(second.id)), "the warm job's prefill")
@@ -99,8 +97,8 @@ def test_a_cancelled_job_leaves_the_group_warm_for_the_next(store, tiny_llama_di
 
 
 def test_a_job_of_another_layout_gets_its_own_group(store, tiny_llama_dir):
-    ring = run(store, generate(tiny_llama_dir).model_copy(update={"ring_size": 2}))
-    single = run(store, generate(tiny_llama_dir).model_copy(update={"sharding": Sharding.SINGLE}))
+    ring = run(store, generate(tiny_llama_dir).model_copy(update={"ranks": 2}))
+    single = run(store, generate(tiny_llama_dir).model_copy(update={"strategy": "single"}))
     assert single.placement.group_id != ring.placement.group_id
     assert single.placement.strategy == "single" and not single.placement.warm
     assert single.result.text == ring.result.text

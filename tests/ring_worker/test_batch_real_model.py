@@ -23,7 +23,7 @@ CHUNK_TOKENS = 128
 
 @pytest.mark.slow
 def test_smollm2_batched_answers_match_alone():
-    source = resolve_model("smollm2")
+    source = resolve_model("smollm2", allowed_dirs=None)
     model, tokenizer = load_for_this_device(source), load_tokenizer(source)
     prompts = [
         tokenizer.chat_tokens(

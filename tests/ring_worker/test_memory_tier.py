@@ -47,7 +47,7 @@ def test_merge_adjacent(ranges, merged):
 def placement(bytes_per_node: int, job_bytes_per_node: int | None) -> Placement:
     return Placement(
         strategy="single",
-        ring_size=1,
+        ranks=1,
         nodes=["n0"],
         group_id="g",
         bytes_per_node=bytes_per_node,

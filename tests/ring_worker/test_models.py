@@ -28,7 +28,7 @@ PROMPT_IDS = [1, 4093, 198, 19556, 905, 17, 216, 34, 32, 34, 36, 2, 198, 1, 520,
 
 @pytest.fixture(scope="module")
 def smollm2() -> ModelSource:
-    return resolve_model("smollm2")
+    return resolve_model("smollm2", allowed_dirs=None)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,9 @@ def test_smollm2_float16_stays_close_to_float32(smollm2, smollm2_model):
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
 def test_tiny_model_dir_loads_and_runs(tmp_path, architecture):
-    source = resolve_model(str(make_tiny_model_dir(tmp_path / architecture, architecture)))
+    source = resolve_model(
+        str(make_tiny_model_dir(tmp_path / architecture, architecture)), allowed_dirs=None
+    )
     model = load_model(source)
     out = logits(model, PROMPT_IDS)
     assert out.shape == (1, len(PROMPT_IDS), 49152)
@@ -90,16 +92,16 @@ def test_tiny_model_dir_loads_and_runs(tmp_path, architecture):
 def test_tiny_model_dir_is_reproducible_and_keeps_its_dtype(tmp_path):
     first = make_tiny_model_dir(tmp_path / "a", "llama", seed=3, dtype="bfloat16")
     second = make_tiny_model_dir(tmp_path / "b", "llama", seed=3, dtype="bfloat16")
-    model = load_model(resolve_model(str(first)))
+    model = load_model(resolve_model(str(first), allowed_dirs=None))
     assert model.model.embed_tokens.weight.dtype == mx.bfloat16
-    again = load_model(resolve_model(str(second)))
+    again = load_model(resolve_model(str(second), allowed_dirs=None))
     assert mx.array_equal(logits(model, PROMPT_IDS), logits(again, PROMPT_IDS))
-    widened = load_model(resolve_model(str(first)), dtype=mx.float32)
+    widened = load_model(resolve_model(str(first), allowed_dirs=None), dtype=mx.float32)
     assert widened.model.embed_tokens.weight.dtype == mx.float32
 
 
 def test_mlx_lm_generate_runs_on_a_tiny_model(tmp_path):
-    source = resolve_model(str(make_tiny_model_dir(tmp_path / "tiny", "qwen3")))
+    source = resolve_model(str(make_tiny_model_dir(tmp_path / "tiny", "qwen3")), allowed_dirs=None)
     tokenizer = load_tokenizer(source)
     wrapper = TokenizerWrapper(tokenizer.hf, eos_token_ids=tokenizer.eos_token_ids)
     prompt = tokenizer.chat_tokens([{"role": "user", "content": "Hello"}])
@@ -110,13 +112,13 @@ def test_mlx_lm_generate_runs_on_a_tiny_model(tmp_path):
 
 def test_quantized_hf_dir_loads_both_ways(tmp_path):
     path = make_tiny_model_dir(tmp_path / "tiny", "llama")
-    model = load_model(resolve_model(str(path)))
+    model = load_model(resolve_model(str(path), allowed_dirs=None))
     nn.quantize(model, group_size=32, bits=4)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     config = json.loads((path / "config.json").read_text())
     config["quantization"] = {"group_size": 32, "bits": 4}
     (path / "config.json").write_text(json.dumps(config))
-    source = resolve_model(str(path))
+    source = resolve_model(str(path), allowed_dirs=None)
     packed = load_model(source, dequantize=False)
     dense = load_model(source)
     assert isinstance(packed.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
@@ -195,9 +197,9 @@ def write_gguf(hf_dir: Path, path: Path, rope_factors: np.ndarray | None = None)
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
 def test_gguf_matches_the_hf_dir_it_was_converted_from(tmp_path, architecture):
     hf_dir = make_tiny_model_dir(tmp_path / "hf", architecture, **TINY)
-    gguf_source = resolve_model(str(write_gguf(hf_dir, tmp_path / "tiny.gguf")))
+    gguf_source = resolve_model(str(write_gguf(hf_dir, tmp_path / "tiny.gguf")), allowed_dirs=None)
     assert gguf_source.format == "gguf"
-    expected = logits(load_model(resolve_model(str(hf_dir))), PROMPT_IDS)
+    expected = logits(load_model(resolve_model(str(hf_dir), allowed_dirs=None)), PROMPT_IDS)
     actual = logits(load_model(gguf_source), PROMPT_IDS)
     assert mx.allclose(actual, expected, atol=1e-4).item()
 
@@ -205,11 +207,13 @@ def test_gguf_matches_the_hf_dir_it_was_converted_from(tmp_path, architecture):
 def test_gguf_rope_factors_scale_the_rope_frequencies(tmp_path):
     hf_dir = make_tiny_model_dir(tmp_path / "hf", "llama", **TINY)
     factors = np.full(TINY["head_dim"] // 2, 2.0)
-    gguf_source = resolve_model(str(write_gguf(hf_dir, tmp_path / "t.gguf", rope_factors=factors)))
+    gguf_source = resolve_model(
+        str(write_gguf(hf_dir, tmp_path / "t.gguf", rope_factors=factors)), allowed_dirs=None
+    )
     # Dividing every frequency by 2 is linear RoPE scaling with factor 2.
     config = json.loads((hf_dir / "config.json").read_text())
     config["rope_scaling"] = {"type": "linear", "factor": 2.0}
     (hf_dir / "config.json").write_text(json.dumps(config))
-    expected = logits(load_model(resolve_model(str(hf_dir))), PROMPT_IDS)
+    expected = logits(load_model(resolve_model(str(hf_dir), allowed_dirs=None)), PROMPT_IDS)
     actual = logits(load_model(gguf_source), PROMPT_IDS)
     assert mx.allclose(actual, expected, atol=1e-4).item()

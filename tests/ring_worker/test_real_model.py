@@ -22,7 +22,7 @@ def test_smollm2_ring_of_two_answers_like_one_device(tmp_path):
         max_tokens=24,
         prompt="What destroyed John Rudyerd's wooden lighthouse in 1755?",
     )
-    tokens, _ = tokenize_and_check(spec)
+    tokens, _ = tokenize_and_check(spec, allowed_dirs=None)
     assert len(tokens) > 300
     results = {
         size: run_local(

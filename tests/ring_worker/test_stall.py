@@ -46,7 +46,7 @@ class Clock:
 def placement_on(group_id: str, chunk_tokens: int = 64) -> str:
     placement = Placement(
         strategy="single",
-        ring_size=1,
+        ranks=1,
         nodes=["n0"],
         group_id=group_id,
         bytes_per_node=1,

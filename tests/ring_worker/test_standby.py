@@ -22,19 +22,21 @@ def test_new_groups_start_on_spare_ranks(tiny_llama_dir):
             document="A spare rank takes the job. " * 20,
             model=str(tiny_llama_dir),
             max_tokens=4,
-            ring_size=1,
+            ranks=1,
         )
         ids = [submit_job(conn, spec).id for _ in range(2)]
         for job_id in ids:
             record = wait_for(lambda job_id=job_id: final_record(store, job_id), f"job {job_id}")
             assert record.state == JobState.FINISHED, record.error
             assert record.placement is not None
-            placement = record.placement
-
-            # the rank logs "done" just after it writes the result: wait for the line
-            def logged_done(placement=placement) -> str:
-                text = rank_log(cluster, placement, 0)
-                return text if "rank 0: done" in text else ""
-
-            text = wait_for(logged_done, "the rank's last log line")
+            text = wait_for(
+                lambda r=record: done_log(cluster, r), f"job {job_id}'s rank to log done"
+            )
             assert "a spare rank took it" in text
+
+
+def done_log(cluster, record) -> str:
+    """Rank 0's log once it says "done" (it does after the result and after keeping the
+    prompt's KV), else ""."""
+    text = rank_log(cluster, record.placement, 0)
+    return text if "rank 0: done" in text else ""

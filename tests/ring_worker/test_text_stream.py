@@ -20,12 +20,12 @@ MULTI_BYTE = "héllo wörld — €5 💡 done\nnext line ✓ ok"
 
 @pytest.fixture(scope="module")
 def bytes_tokenizer():
-    return load_tokenizer(resolve_model("random:tiny-llama"))
+    return load_tokenizer(resolve_model("random:tiny-llama", allowed_dirs=None))
 
 
 @pytest.fixture(scope="module")
 def bpe_tokenizer():
-    return load_tokenizer(resolve_model("smollm2"))
+    return load_tokenizer(resolve_model("smollm2", allowed_dirs=None))
 
 
 def published(tokenizer, tokens, stops=(), **throttle) -> tuple[list[str], TextStream]:

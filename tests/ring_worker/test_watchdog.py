@@ -99,9 +99,7 @@ def test_a_stopped_peer_is_found_by_the_stall_watchdog_and_the_job_retried(
     stall_cluster, tiny_llama_dir
 ):
     store = JobStore(connect(stall_cluster.url))
-    spec = JobSpec(
-        kind=JobKind.PREFILL, document=LONG_DOCUMENT, model=str(tiny_llama_dir), ring_size=2
-    )
+    spec = JobSpec(kind=JobKind.PREFILL, document=LONG_DOCUMENT, model=str(tiny_llama_dir), ranks=2)
     record = submit_job(store.conn, spec)
     record = wait_for(lambda: in_prefill(store.get(record.id)), "prefill to start")
     group_id = record.placement.group_id

@@ -89,7 +89,7 @@ function progressBar(job) {
 
 function placementText(placement) {
   if (!placement) return "not placed";
-  return `${placement.strategy}-${placement.ring_size} on ${placement.nodes.join(", ")}`;
+  return `${placement.strategy}-${placement.ranks} on ${placement.nodes.join(", ")}`;
 }
 
 function cancelButton(jobId, state, after) {
