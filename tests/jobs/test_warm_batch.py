@@ -2,6 +2,7 @@
 its ranks take them between decode steps, the same words on every rank (`joined`)."""
 
 from jobs import keys
+from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec
 from jobs.warm_groups import WarmGroups, idle_key, next_key
 
@@ -24,11 +25,11 @@ def busy(warm: WarmGroups, group: GroupSpec) -> None:
 def test_a_busy_group_takes_jobs_up_to_the_limit(redis_conn):
     warm, group = WarmGroups(redis_conn), two_ranks()
     busy(warm, group)
-    assert warm.join(group, "second", max_batch=3)
-    assert warm.join(group, "third", max_batch=3)
-    assert not warm.join(group, "fourth", max_batch=3)  # full
+    assert "joined" == warm.join(group, "second", max_batch=3)
+    assert "joined" == warm.join(group, "third", max_batch=3)
+    assert "no" == warm.join(group, "fourth", max_batch=3)  # full
     warm.ended(group, "first")
-    assert warm.join(group, "fourth", max_batch=3)
+    assert "joined" == warm.join(group, "fourth", max_batch=3)
     assert warm.batch(group.group_id) == ["fourth", "second", "third"]
     for rank in (0, 1):
         words = redis_conn.lrange(next_key(group.group_id, rank), 0, -1)
@@ -38,29 +39,29 @@ def test_a_busy_group_takes_jobs_up_to_the_limit(redis_conn):
 def test_max_batch_one_never_joins_a_busy_group(redis_conn):
     warm, group = WarmGroups(redis_conn), two_ranks()
     busy(warm, group)
-    assert not warm.join(group, "second", max_batch=1)
+    assert "no" == warm.join(group, "second", max_batch=1)
 
 
 def test_idle_retired_and_unoffered_groups_are_not_joined(redis_conn):
     warm = WarmGroups(redis_conn)
     never_offered = two_ranks("g0")
     warm.started(never_offered, "first")
-    assert not warm.join(never_offered, "x", max_batch=8)
+    assert "no" == warm.join(never_offered, "x", max_batch=8)
     idle = two_ranks("g1")
     warm.offer(idle, 1000)
     redis_conn.set(idle_key(idle.group_id), "1")
-    assert not warm.join(idle, "x", max_batch=8)  # an idle group is claimed, not joined
+    assert "no" == warm.join(idle, "x", max_batch=8)  # an idle group is claimed, not joined
     assert warm.claim(idle, "x")
-    assert warm.join(idle, "y", max_batch=8)  # claimed: busy now
+    assert "joined" == warm.join(idle, "y", max_batch=8)  # claimed: busy now
     redis_conn.hdel(keys.WARM_GROUPS, idle.group_id)  # retired
-    assert not warm.join(idle, "z", max_batch=8)
+    assert "no" == warm.join(idle, "z", max_batch=8)
 
 
 def test_every_rank_takes_the_same_words(redis_conn):
     warm, group = WarmGroups(redis_conn), two_ranks()
     busy(warm, group)
     for job in ("a", "b"):
-        assert warm.join(group, job, max_batch=8)
+        assert "joined" == warm.join(group, job, max_batch=8)
     counts: list[int] = []
 
     def agree(count: int) -> int:  # rank 0's count reaches every rank (a collective in ranks)
@@ -70,3 +71,23 @@ def test_every_rank_takes_the_same_words(redis_conn):
     assert warm.joined(group, 0, agree) == ["a", "b"]
     assert warm.joined(group, 1, agree) == ["a", "b"]
     assert warm.joined(group, 0, lambda n: n) == []
+
+
+def test_joining_grows_the_reservation_or_is_refused_and_leaving_shrinks_it(redis_conn):
+    warm, group = WarmGroups(redis_conn), two_ranks()
+    busy(warm, group)
+    reservations = Reservations(redis_conn, lease_s=30)
+    base = {node: (1000, 5000) for node in group.nodes}
+    assert reservations.reserve(group.group_id, base) is None
+    assert reservations.reserve("other", {"n1": (2000, 5000)}) is None
+    budget = {node: 5000 for node in group.nodes}
+    assert warm.join(group, "a", 8, grow_bytes=1500, capacity_bytes=budget) == "joined"
+    assert reservations.held("n0")[group.group_id] == 2500
+    # n1: 2000 (other) + 2500 + 1500 > 5000
+    assert warm.join(group, "b", 8, grow_bytes=1500, capacity_bytes=budget) == "no-memory"
+    assert warm.batch(group.group_id) == ["a", "first"]
+    assert redis_conn.llen(next_key(group.group_id, 0)) == 1  # "b" was not handed over
+    warm.ended(group, "a")
+    assert all(reservations.held(n)[group.group_id] == 1000 for n in group.nodes)
+    reservations.release(group.group_id, "n0")  # the group is gone from n0: nothing to shrink
+    assert warm.join(group, "c", 8, grow_bytes=10, capacity_bytes=budget) == "no"
