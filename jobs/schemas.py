@@ -128,6 +128,7 @@ class JobResult(_Message):
     prefill_started_at: float | None = None  # unix time; minus the job's created_at: its wait
     cached_tokens: int = 0  # prompt tokens taken from a kept KV cache (automatic or cache_from)
     cache_source: str | None = None  # where they came from, e.g. 'job 3f2a (single on n1)'
+    batch_size: int = 1  # the most sequences it decoded together with (continuous batching)
 
 
 class JobRecord(_Message):
