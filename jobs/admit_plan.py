@@ -99,7 +99,8 @@ def plan_joins(job: Job, cluster: Cluster, settings: Settings) -> list[Join]:
         backend = by_name[group.nodes[0]].backend
         limit = max_batch_for(settings, backend)
         layout = Layout(group.strategy, group.ranks, group.kv_layout)
-        chunk = chunk_candidates(backend, settings.prefill_chunk_tokens)[-1]
+        # the group's own chunk (what its reservation was planned with); else the smallest
+        chunk = warm.chunk_tokens or chunk_candidates(backend, settings.prefill_chunk_tokens)[-1]
         plan = group_plan(job, cluster, layout, group.nodes, chunk, settings)
         if limit > 1 and runs_like(group, job, plan):
             node = capacity(by_name[group.nodes[0]], 0, job.model_dtype)

@@ -287,7 +287,7 @@ class Dispatcher:
         backend = (group.devices or ["cpu"])[0].split(":")[0]
         batching = max_batch_for(self.settings, backend) > 1
         if place.reuse is None and group.idle_s > 0 and batching:
-            self.warm.offer(group, place.bytes_per_node)
+            self.warm.offer(group, place.bytes_per_node, place.plan.chunk_tokens)
 
     def mark_pending_prefix(self, job: Job) -> None:
         """Later jobs on the same document wait for this prefill (its ranks clear the marks)."""

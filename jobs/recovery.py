@@ -195,7 +195,11 @@ def lose_group_jobs(
     records = live_on_group(store, job_ids, group.group_id)
     if not records:  # nothing to retry; still drop the group from the index
         conn.hdel(keys.GROUPS_INDEX, group.group_id)
-    return {r.id: lose_group(conn, settings, r.id, group.group_id, reason, retry) for r in records}
+    outcomes = {
+        r.id: lose_group(conn, settings, r.id, group.group_id, reason, retry) for r in records
+    }
+    conn.delete(keys.group_batch(group.group_id))  # each job is retried or failed now
+    return outcomes
 
 
 def has_live_lease(conn: redis.Redis, group: GroupSpec) -> bool:
@@ -255,6 +259,7 @@ def reconcile(conn: redis.Redis, settings: Settings) -> list[str]:
         if reason is not None:
             for record in running:  # a batch: every job of it
                 lose_group(conn, settings, record.id, group_id, reason)
+            conn.delete(keys.group_batch(group_id))
             lost.append(group_id)
     return lost
 

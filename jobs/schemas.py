@@ -264,6 +264,7 @@ class WarmGroup(_Message):
 
     group: GroupSpec
     bytes_per_node: int  # what it holds reserved on each of its nodes
+    chunk_tokens: int | None = None  # its jobs' prefill chunk (a job that joins it uses it too)
 
 
 class GroupFailure(_Message):

@@ -169,8 +169,8 @@ class WarmGroups:
 
     # -- rank 0's side
 
-    def offer(self, group: GroupSpec, bytes_per_node: int) -> None:
-        entry = WarmGroup(group=group, bytes_per_node=bytes_per_node)
+    def offer(self, group: GroupSpec, bytes_per_node: int, chunk_tokens: int | None = None) -> None:
+        entry = WarmGroup(group=group, bytes_per_node=bytes_per_node, chunk_tokens=chunk_tokens)
         self.conn.hset(keys.WARM_GROUPS, group.group_id, entry.model_dump_json())
 
     def started(self, group: GroupSpec, job_id: str) -> None:

@@ -78,7 +78,10 @@ class RedisJobIO:
         warm = WarmGroups(self.store.conn)
         if rank == 0:
             placement = self.store.get(self.job_id).placement
-            warm.offer(group, placement.bytes_per_node if placement else 0)
+            if placement is None:
+                warm.offer(group, 0)
+            else:
+                warm.offer(group, placement.bytes_per_node, placement.chunk_tokens)
         job_id = warm.wait_for_job(group, rank, group.idle_s, kick=kick)
         return None if job_id is None else RedisJobIO(self.store, job_id, self.group_id)
 

@@ -25,11 +25,11 @@ def busy(warm: WarmGroups, group: GroupSpec) -> None:
 def test_a_busy_group_takes_jobs_up_to_the_limit(redis_conn):
     warm, group = WarmGroups(redis_conn), two_ranks()
     busy(warm, group)
-    assert "joined" == warm.join(group, "second", max_batch=3)
-    assert "joined" == warm.join(group, "third", max_batch=3)
-    assert "no" == warm.join(group, "fourth", max_batch=3)  # full
+    assert warm.join(group, "second", max_batch=3) == "joined"
+    assert warm.join(group, "third", max_batch=3) == "joined"
+    assert warm.join(group, "fourth", max_batch=3) == "no"  # full
     warm.ended(group, "first")
-    assert "joined" == warm.join(group, "fourth", max_batch=3)
+    assert warm.join(group, "fourth", max_batch=3) == "joined"
     assert warm.batch(group.group_id) == ["fourth", "second", "third"]
     for rank in (0, 1):
         words = redis_conn.lrange(next_key(group.group_id, rank), 0, -1)
@@ -39,29 +39,29 @@ def test_a_busy_group_takes_jobs_up_to_the_limit(redis_conn):
 def test_max_batch_one_never_joins_a_busy_group(redis_conn):
     warm, group = WarmGroups(redis_conn), two_ranks()
     busy(warm, group)
-    assert "no" == warm.join(group, "second", max_batch=1)
+    assert warm.join(group, "second", max_batch=1) == "no"
 
 
 def test_idle_retired_and_unoffered_groups_are_not_joined(redis_conn):
     warm = WarmGroups(redis_conn)
     never_offered = two_ranks("g0")
     warm.started(never_offered, "first")
-    assert "no" == warm.join(never_offered, "x", max_batch=8)
+    assert warm.join(never_offered, "x", max_batch=8) == "no"
     idle = two_ranks("g1")
     warm.offer(idle, 1000)
     redis_conn.set(idle_key(idle.group_id), "1")
-    assert "no" == warm.join(idle, "x", max_batch=8)  # an idle group is claimed, not joined
+    assert warm.join(idle, "x", max_batch=8) == "no"  # an idle group is claimed, not joined
     assert warm.claim(idle, "x")
-    assert "joined" == warm.join(idle, "y", max_batch=8)  # claimed: busy now
+    assert warm.join(idle, "y", max_batch=8) == "joined"  # claimed: busy now
     redis_conn.hdel(keys.WARM_GROUPS, idle.group_id)  # retired
-    assert "no" == warm.join(idle, "z", max_batch=8)
+    assert warm.join(idle, "z", max_batch=8) == "no"
 
 
 def test_every_rank_takes_the_same_words(redis_conn):
     warm, group = WarmGroups(redis_conn), two_ranks()
     busy(warm, group)
     for job in ("a", "b"):
-        assert "joined" == warm.join(group, job, max_batch=8)
+        assert warm.join(group, job, max_batch=8) == "joined"
     counts: list[int] = []
 
     def agree(count: int) -> int:  # rank 0's count reaches every rank (a collective in ranks)
