@@ -68,7 +68,9 @@ class BatchServer:
     ):
         self.ctx, self.engine, self.tokenizer = ctx, engine, tokenizer
         self.watchdog, self.prefix, self.max_batch = watchdog, prefix, max_batch
-        self.decoder = BatchDecoder(engine, max_batch=max_batch)
+        # rows grow as jobs join (doubling), not reserved for max_batch up front: the group's
+        # reservation grows by each joining job's KV, not by max_batch rows (32 on CUDA)
+        self.decoder = BatchDecoder(engine)
         self.members: dict[str, _Member] = {}
 
     def run(self, first: JobIO, load_s: float, next_job: NextJob) -> None:
