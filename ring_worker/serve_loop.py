@@ -58,6 +58,8 @@ def serve(ctx: RankContext, io: JobIO, watchdog: Watchdog) -> None:
                 spec = job.spec()
                 partial = partial_result(tokenizer, exc.tokens, len(job.tokens()), spec.stop)
                 job.cancelled(f"cancelled: {exc}", partial)
+        if ctx.lead:  # the dispatcher lists every job in its group's batch (jobs/recovery.py)
+            job.batch_ended(ctx.group)
         load_s = 0.0
         job = next_job(ctx, engine, job, watchdog)
 
@@ -94,6 +96,8 @@ def next_job(ctx: RankContext, engine: Engine, io: JobIO, watchdog: Watchdog) ->
         log.info(
             "group %s rank %d: job %s is not ours, skipped", group.group_id, ctx.rank, job.job_id
         )
+        if ctx.lead:
+            job.batch_ended(group)
         io = job
 
 

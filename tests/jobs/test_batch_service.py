@@ -6,6 +6,7 @@ replicated KV batches too; a rank killed mid-batch retries every job of the batc
 import os
 import signal
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 
@@ -56,6 +57,9 @@ def one_at_a_time(tiny_llama_dir) -> dict[str, str | None]:
     with cluster_with("bref", {"RINGQ_MAX_BATCH": "1"}, 1, PORT_BASE + 100) as reference:
         store = JobStore(connect(reference.url))
         records = run_together(store, [generate(tiny_llama_dir, d) for d in DOCUMENTS])
+        groups = {r.placement.group_id for r in records if r.placement}
+        for group_id in groups:  # one at a time: each job leaves its group's list too
+            wait_for(partial(batch_empty, store, group_id), "an empty batch")
         results = [r.result for r in records if r.result is not None]
         assert len(results) == len(records) and all(r.batch_size == 1 for r in results)
         return {r.spec.document: result.text for r, result in zip(records, results, strict=True)}
@@ -82,6 +86,11 @@ def finished(store: JobStore, job_id: str) -> JobRecord:
     return final
 
 
+def batch_empty(store: JobStore, group_id: str) -> bool:
+    """Every job left the group's batch (rank 0 says so just after each job's result)."""
+    return WarmGroups(store.conn).batch(group_id) == []
+
+
 def decoding(store: JobStore, job_ids: list[str]) -> bool:
     records = [store.get(j) for j in job_ids]
     assert not any(r.state.is_final for r in records), [r.error for r in records]
@@ -97,8 +106,7 @@ def test_jobs_submitted_together_decode_in_one_batch_and_answer_as_alone(
     assert len({r.placement.group_id for r in records}) == 1  # one group took them all
     assert max(r.result.batch_size for r in records) > 1
     assert all(r.result.batch_size <= 4 for r in records)
-    group_id = records[0].placement.group_id
-    assert WarmGroups(store.conn).batch(group_id) == []  # every job left the batch
+    wait_for(partial(batch_empty, store, records[0].placement.group_id), "an empty batch")
     assert all("joined the decode batch" in r.placement.reason for r in records[1:])
 
 
