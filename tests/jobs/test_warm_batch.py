@@ -1,9 +1,14 @@
-"""A busy warm group takes more jobs while its batch has room (jobs/warm_groups.py `join`), and
-its ranks take them between decode steps, the same words on every rank (`joined`)."""
+"""A busy warm group takes more jobs while its batch has room and its nodes' memory allows
+(jobs/warm_groups.py `join`), its ranks take them between decode steps, the same words on every
+rank (`joined`), and a lost group retries every job of its batch (jobs/recovery.py)."""
 
 from jobs import keys
+from jobs.lifecycle import JobState
+from jobs.recovery import reconcile, track_group
 from jobs.reservations import Reservations
-from jobs.schemas import GroupSpec
+from jobs.schemas import GroupSpec, JobKind, JobSpec, Placement
+from jobs.settings import Settings
+from jobs.store import JobStore
 from jobs.warm_groups import WarmGroups, idle_key, next_key
 
 
@@ -91,3 +96,29 @@ def test_joining_grows_the_reservation_or_is_refused_and_leaving_shrinks_it(redi
     assert all(reservations.held(n)[group.group_id] == 1000 for n in group.nodes)
     reservations.release(group.group_id, "n0")  # the group is gone from n0: nothing to shrink
     assert warm.join(group, "c", 8, grow_bytes=10, capacity_bytes=budget) == "no"
+
+
+def test_a_lost_group_retries_every_job_of_its_batch_once(redis_conn, short_tmp_path):
+    """The reconciler finds a group with a dead node: each live job of its batch is retried
+    once; the one that had finished is left alone; a second pass retries nothing."""
+    store, warm = JobStore(redis_conn), WarmGroups(redis_conn)
+    settings = Settings(home=short_tmp_path, redis_url=None, max_retries=2)
+    group = two_ranks()
+    spec = JobSpec(kind=JobKind.GENERATE, document="x", model="random:tiny-llama")
+    placement = Placement(
+        strategy="ring", ring_size=2, nodes=group.nodes, group_id="g1", bytes_per_node=1
+    )
+    for job_id in ("first", "second", "done"):
+        store.create(job_id, spec)
+        store.transition(job_id, JobState.ADMITTED, placement=placement)
+        warm.started(group, job_id)
+    store.transition("done", JobState.FAILED, error="ended before the group was lost")
+    track_group(redis_conn, group)  # n0 and n1 never registered: dead nodes
+    assert reconcile(redis_conn, settings) == ["g1"]
+    for job_id in ("first", "second"):
+        record = store.get(job_id)
+        assert record.state == JobState.QUEUED and record.attempt == 1
+        assert "stopped answering" in record.retry_reasons[0]
+    assert store.get("done").state == JobState.FAILED
+    assert warm.batch("g1") == [] and reconcile(redis_conn, settings) == []
+    assert [store.get(j).attempt for j in ("first", "second")] == [1, 1]
