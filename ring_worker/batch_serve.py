@@ -28,7 +28,7 @@ from jobs.lifecycle import JobState
 from jobs.schemas import JobKind
 from jobs.tokenizer import ChatTokenizer
 from ring_worker.batch_decode import BatchDecoder, DecodeRequest, SequenceResult
-from ring_worker.decode_text import partial_result, stop_check
+from ring_worker.decode_text import partial_result
 from ring_worker.engine import Cancelled, DecodeResult, Engine
 from ring_worker.job_io import JobIO
 from ring_worker.job_report import enter
@@ -41,6 +41,7 @@ from ring_worker.rank_main import (
     prefill_job,
     run_job,
 )
+from ring_worker.text_stream import DecodeText
 from ring_worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class _Member:
     io: JobIO
     job: Prefilled
     load_s: float
+    text: DecodeText  # its stop strings, and (lead rank) its text streamed as it decodes
 
 
 class BatchServer:
@@ -110,12 +112,13 @@ class BatchServer:
             self.leave(io)
             return
         enter(io, lead, self.watchdog, JobState.DECODE, len(job.tokens))
-        self.decoder.add(self.request(io, job), job.prefill)
+        text = DecodeText(io, self.tokenizer, job.spec.stop, lead)
+        self.decoder.add(self.request(io, job, text), job.prefill)
         keep_prefix(self.engine, self.prefix, io, job)  # the batch holds its own copy now
         kept = replace(job, prefill=replace(job.prefill, cache=[], logits=mx.zeros((1,))))
-        self.members[io.job_id] = _Member(io, kept, load_s)
+        self.members[io.job_id] = _Member(io, kept, load_s, text)
 
-    def request(self, io: JobIO, job: Prefilled) -> DecodeRequest:
+    def request(self, io: JobIO, job: Prefilled, text: DecodeText) -> DecodeRequest:
         spec = job.spec
         return DecodeRequest(
             key=io.job_id,
@@ -125,7 +128,7 @@ class BatchServer:
             seed=spec.seed or 0,
             on_progress=job.report,
             should_stop=io.should_stop,
-            stop_when=stop_check(self.tokenizer, spec.stop),
+            stop_when=text.stop_when,
         )
 
     def step(self) -> None:
@@ -143,6 +146,7 @@ class BatchServer:
             partial = partial_result(self.tokenizer, result.tokens, prompt_tokens, stops)
             io.cancelled(f"cancelled: {result.cancelled}", partial)
         elif self.ctx.lead:
+            member.text.close(result.tokens)  # the rest of its streamed text
             decoded = DecodeResult(result.tokens, result.seconds)
             batch_size = result.max_batch_size
             io.finish(

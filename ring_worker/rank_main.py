@@ -22,13 +22,13 @@ from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec
 from jobs.settings import Settings
 from jobs.tokenizer import ChatTokenizer
 from ring_worker.checkpoint import end_checkpoints, start_checkpoints
-from ring_worker.decode_text import stop_check
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
 from ring_worker.job_io import FileJobIO, JobIO, RedisJobIO
 from ring_worker.job_prefix import keep_after, starting_point
 from ring_worker.job_report import enter, job_result, kicking, throttled
 from ring_worker.prefix_reuse import RankPrefixCache, Reuse, describe_source
 from ring_worker.processes import exit_with_parent
+from ring_worker.text_stream import DecodeText
 from ring_worker.watchdog import Watchdog, loading_timeout_s
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,8 @@ def run_job(
     decoded = DecodeResult([], 0.0)
     if spec.kind == JobKind.GENERATE:
         enter(io, ctx.lead, watchdog, JobState.DECODE, len(job.tokens))
+        # stop strings; the lead streams the text
+        text = DecodeText(io, tokenizer, spec.stop, ctx.lead)
         decoded = engine.decode(
             job.prefill,
             spec.max_tokens,
@@ -85,8 +87,9 @@ def run_job(
             seed=spec.seed or 0,
             on_progress=job.report,
             should_stop=io.should_stop,
-            stop_when=stop_check(tokenizer, spec.stop),
+            stop_when=text.stop_when,
         )
+        text.close(decoded.tokens)
     watchdog.kick("finishing")
     peaks = engine.gather_ints(mx.get_peak_memory())
     if spec.keep_cache:  # a pinned cache is ready when its job is: --cache-from may follow at once
