@@ -182,3 +182,14 @@ def activation_bytes(
     scores = int(copies * shape.q_heads * local * keys * 4) if cpu else 0
     logits = shape.vocab_size * 4
     return hidden + mlp + scores + logits
+
+
+def batch_row_bytes(
+    shape: ModelShape, prompt_tokens: int, max_new_tokens: int, layout: Layout
+) -> int:
+    """What one more sequence adds on the busiest rank of a group that decodes in batches:
+    its whole KV (replicated on every rank; single), in the buffer's 256-token steps."""
+    if layout.strategy == "pipeline" or layout.kv_layout == "sharded":
+        raise ValueError(f"{layout.label} does not decode in batches")
+    tokens = _cache_tokens(prompt_tokens + max_new_tokens)
+    return int(shape.kv_bytes_per_token() * tokens * MARGIN)

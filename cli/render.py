@@ -44,6 +44,7 @@ def status_json(record: JobRecord) -> dict[str, Any]:
         "model": record.spec.model,
         "cached_tokens": record.result.cached_tokens if record.result else 0,
         "cache_source": record.result.cache_source if record.result else None,
+        "batch_size": record.result.batch_size if record.result else None,
         "custom_id": record.spec.custom_id,
         "error": record.error,
         "waiting_reason": record.waiting_reason,
@@ -125,6 +126,8 @@ def describe(record: JobRecord) -> str:
     if record.result is not None and record.result.cached_tokens:
         source = record.result.cache_source or "a kept KV cache"
         line += f"\n  prefix: {record.result.cached_tokens} prompt tokens from {source}"
+    if record.result is not None and record.result.batch_size > 1:
+        line += f"\n  batch: decoded with up to {record.result.batch_size} sequences at once"
     for i, reason in enumerate(record.retry_reasons, 1):
         line += f"\n  retry {i}: {reason}"
     if record.error:

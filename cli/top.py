@@ -67,6 +67,11 @@ def render_overview(overview: Overview) -> Group:
     idle.title = f"idle warm groups: {len(overview.idle_groups)}"
     for g in overview.idle_groups:
         idle.add_row(g.group_id, g.model, g.strategy, ", ".join(g.nodes), gib(g.bytes_per_node))
+    busy = Table("group", "model", "strategy", "nodes", "decoding", "batch")
+    busy.title = f"busy warm groups: {len(overview.busy_groups)}"
+    for b in overview.busy_groups:
+        members = ", ".join(b.jobs)
+        busy.add_row(b.group_id, b.model, b.strategy, ", ".join(b.nodes), str(b.decoding), members)
     return Group(
         f"[bold]ringq top[/bold]  [dim]{stamp}[/dim]",
         services_line(overview.services),
@@ -74,6 +79,7 @@ def render_overview(overview: Overview) -> Group:
         nodes,
         running,
         queued_table(overview),
+        busy,
         idle,
     )
 

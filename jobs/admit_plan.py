@@ -10,20 +10,23 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
 - a kept prefix (automatic prefix reuse, jobs/prefix_cache.py "Placement"): the job waits for an
   in-flight prefill of the same prefix, prefers the nodes that keep it, and only the tokens left
   to compute count against RINGQ_RING_MIN_TOKENS.
+- continuous batching (RINGQ_MAX_BATCH > 1): a generate job first tries to join a busy group of
+  its model and layout (`plan_joins`: single, or a ring with replicated KV), growing that
+  group's reservation by the job's KV; where none takes it, the paths above.
 """
 
 import sys
 from dataclasses import dataclass, field
 
-from admission.estimate import Layout
-from admission.group_plan import GroupPlan, NodeFacts, plan_group
+from admission.estimate import Layout, batch_row_bytes
+from admission.group_plan import GroupPlan, NodeFacts, chunk_candidates, plan_group
 from admission.model_shape import ModelShape
 from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
 from admission.vocabulary import DTYPE_BYTES
 from jobs.errors import AdmissionError
 from jobs.prefix_cache import PrefixHint, wait_for_pending
-from jobs.schemas import GroupSpec, JobKind, JobRecord, NodeInfo
-from jobs.settings import Settings
+from jobs.schemas import GroupSpec, JobKind, JobRecord, NodeInfo, WarmGroup
+from jobs.settings import Settings, max_batch_for
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Cluster:
     idle: list[tuple[GroupSpec, int]]  # warm groups waiting for a job, with bytes they hold
     waiting_jobs: int = 0  # other admissions queued behind this one
     known_nodes: int = 0  # ever registered (to tell "none yet" from "all gone")
+    busy: list[WarmGroup] = field(default_factory=list)  # running groups a job may join
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,53 @@ class Place:
 class Wait:
     reason: str
     evict: list[GroupSpec] = field(default_factory=list)  # idle groups asked to make way
+
+
+@dataclass(frozen=True)
+class Join:
+    """A busy group this job may join (continuous batching), if its nodes can hold `grow_bytes`
+    more each."""
+
+    group: GroupSpec
+    plan: GroupPlan
+    max_batch: int
+    grow_bytes: int
+    held_bytes: int  # what the group held per node when offered
+
+
+def plan_joins(job: Job, cluster: Cluster, settings: Settings) -> list[Join]:
+    """The busy groups a generate job could join, those on its kept prefix's nodes first."""
+    spec = job.record.spec
+    if spec.kind != JobKind.GENERATE or spec.cache_from is not None:
+        return []
+    by_name, kept = {n.name: n for n in cluster.nodes}, set(job.prefix.kept_nodes)
+    joins = []
+    for warm in sorted(cluster.busy, key=lambda w: not set(w.group.nodes) & kept):
+        group = warm.group
+        wanted = batches(group, spec.ranks, spec.strategy)
+        if not wanted or not set(group.nodes) <= set(by_name):
+            continue
+        backend = by_name[group.nodes[0]].backend
+        limit = max_batch_for(settings, backend)
+        layout = Layout(group.strategy, group.ranks, group.kv_layout)
+        # the group's own chunk (what its reservation was planned with); else the smallest
+        chunk = warm.chunk_tokens or chunk_candidates(backend, settings.prefill_chunk_tokens)[-1]
+        plan = group_plan(job, cluster, layout, group.nodes, chunk, settings)
+        if limit > 1 and runs_like(group, job, plan):
+            node = capacity(by_name[group.nodes[0]], 0, job.model_dtype)
+            shape = job.shape.in_dtype(node.compute_dtype_bytes or job.shape.compute_dtype_bytes)
+            grow = batch_row_bytes(shape, len(job.tokens), job.new_tokens, layout)
+            joins.append(Join(group, plan, limit, grow, warm.bytes_per_node))
+    return joins
+
+
+def batches(group: GroupSpec, ranks: int | str, strategy: str) -> bool:
+    """Whether `group` decodes in batches and is the layout a job asked for."""
+    batched = group.strategy == "single" or (
+        group.strategy == "ring" and group.kv_layout == "replicated"
+    )
+    asked_size = ranks in ("auto", group.ranks)
+    return batched and asked_size and strategy in ("auto", group.strategy)
 
 
 def plan_admission(job: Job, cluster: Cluster, settings: Settings) -> Place | Wait:

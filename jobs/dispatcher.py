@@ -12,17 +12,23 @@ import redis
 from rq import get_current_job
 
 from jobs import keys
-from jobs.admit_plan import Cluster, Job, Place, Wait, plan_admission
+from jobs.admit_plan import Cluster, Job, Join, Place, Wait, plan_admission, plan_joins
 from jobs.errors import InvalidJobError, JobNotFoundError, RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import default_dtype, resolve_model
-from jobs.prefix_cache import PENDING_GRACE_S, PENDING_TTL_S, PrefixHint, worth_keeping
+from jobs.prefix_cache import (
+    PENDING_GRACE_S,
+    PENDING_TTL_S,
+    PrefixHint,
+    wait_for_pending,
+    worth_keeping,
+)
 from jobs.prefix_index import PendingPrefixes, model_key, read_hint
 from jobs.prompts import tokenize_and_check
 from jobs.recovery import Reconciler, fresh_nodes, retry_delay_s, track_group, untrack_group
 from jobs.reservations import Reservations
-from jobs.schemas import GroupSpec, JobRecord, JobSpec, NodeInfo, Placement, Progress
-from jobs.settings import Settings, get_settings
+from jobs.schemas import GroupSpec, JobKind, JobRecord, JobSpec, NodeInfo, Placement, Progress
+from jobs.settings import Settings, get_settings, max_batch_for
 from jobs.store import JobStore
 from jobs.submit import admit_data, admit_queue, node_queue
 from jobs.warm_groups import WarmGroups
@@ -96,6 +102,8 @@ class Dispatcher:
         cluster = self.read_cluster(record.spec)
         if isinstance(cluster, Wait):
             return self.wait(record, cluster)
+        if (joined := self.try_join(job, cluster)) is not None:
+            return joined
         decision = plan_admission(job, cluster, self.settings)
         if isinstance(decision, Wait):
             return self.wait(record, decision)
@@ -150,13 +158,14 @@ class Dispatcher:
                 return Wait(
                     f"waiting for node {holder}, which holds job {spec.cache_from}'s KV cache"
                 )
-        idle = self.warm.idle() if self.settings.group_idle_s > 0 else []
+        warm = self.settings.group_idle_s > 0
         return Cluster(
             nodes=nodes,
             held={n.name: self.reservations.held(n.name) for n in nodes},
-            idle=idle,
+            idle=self.warm.idle() if warm else [],
             waiting_jobs=self.queue.count,
             known_nodes=int(self.conn.scard(keys.NODES_INDEX)),
+            busy=self.warm.busy_groups() if warm and spec.kind == JobKind.GENERATE else [],
         )
 
     def cache_node(self, spec: JobSpec) -> str | None:
@@ -187,6 +196,48 @@ class Dispatcher:
 
     # -- committing
 
+    def try_join(self, job: Job, cluster: Cluster | Wait) -> str | None:
+        """Continuous batching: hand a generate job to a busy group of its model and layout
+        with a free row, growing the group's reservation by the job's KV (one script: refused
+        when a node's budget cannot hold it). None: no group took it (the usual paths)."""
+        if isinstance(cluster, Wait) or not cluster.busy:
+            return None
+        if wait_for_pending(job.prefix, len(job.tokens)) is not None:
+            return None  # it waits for the prefill of its prefix (plan_admission says so)
+        budget = {n.name: n.memory_bytes for n in cluster.nodes}
+        for join in plan_joins(job, cluster, self.settings):
+            group = join.group.model_copy(update={"job_id": job.record.id})
+            capacity = {name: budget[name] for name in group.nodes}
+            outcome = self.warm.join(
+                group, job.record.id, join.max_batch, join.grow_bytes, capacity
+            )
+            log.info("job %s: join group %s: %s", job.record.id, group.group_id, outcome)
+            if outcome == "joined":
+                return self.admit_joined(job, join, group)
+        return None
+
+    def admit_joined(self, job: Job, join: Join, group: GroupSpec) -> str:
+        """Record a job handed to a busy group (its ranks wait for this record)."""
+        members = len(self.warm.batch(group.group_id))
+        place = Place(
+            join.plan,
+            join.held_bytes + join.grow_bytes,
+            f"joined the decode batch of group {group.group_id} ({members} jobs)",
+            reuse=group,
+            held_bytes=join.held_bytes,
+        )
+        track_group(self.conn, group)  # the reconciler watches its batch (jobs/recovery.py)
+        self.store.transition(
+            job.record.id,
+            JobState.ADMITTED,
+            placement=self.placement(group, place),
+            progress=Progress(phase=JobState.ADMITTED, total=len(job.tokens)),
+            waiting_reason=None,
+        )  # cancelled meanwhile: raises; its group skips it and gives its bytes back
+        self.mark_pending_prefix(job)
+        log.info("job %s admitted: %s", job.record.id, place.reason)
+        return "admitted (joined)"
+
     def commit(self, job: Job, place: Place, nodes: dict[str, NodeInfo]) -> str:
         """Reserve, record the placement, then hand over: one path for warm and new groups."""
         job_id = job.record.id
@@ -203,6 +254,7 @@ class Dispatcher:
         # Tracked before the job is ADMITTED: a dispatcher killed in between leaves a queued job
         # that RQ admits again, never an admitted job whose group nobody watches.
         track_group(self.conn, group.model_copy(update={"job_id": job_id}))
+        self.open_batch(group, job_id, place)
         try:
             self.store.transition(
                 job_id,
@@ -212,16 +264,12 @@ class Dispatcher:
                 waiting_reason=None,
             )
         except RingqError:  # cancelled meanwhile; a warm group skips the job it was given
+            self.warm.ended(group, job_id)
             if place.reuse is None:
                 self.release(group)
                 untrack_group(self.conn, group.group_id)
             raise
-        if self.settings.prefix_cache == "on" and worth_keeping(
-            len(job.tokens), job.prefix.kept_tokens
-        ):  # later jobs on the same document wait for this prefill (its ranks clear the marks)
-            PendingPrefixes(self.conn, PENDING_TTL_S).mark(
-                job_id, model_key(job.record.spec.model), job.tokens
-            )
+        self.mark_pending_prefix(job)
         if place.reuse is None:
             self.start_ranks(group)
         log.info(
@@ -232,6 +280,24 @@ class Dispatcher:
             place.reason,
         )
         return "admitted (warm)" if place.reuse is not None else "admitted"
+
+    def open_batch(self, group: GroupSpec, job_id: str, place: Place) -> None:
+        """The job is in its group's batch (what the reconciler retries if the group is lost);
+        a new warm group that batches is offered at once, so jobs join it while it loads."""
+        self.warm.started(group, job_id)
+        backend = (group.devices or ["cpu"])[0].split(":")[0]
+        batching = max_batch_for(self.settings, backend) > 1
+        if place.reuse is None and group.idle_s > 0 and batching:
+            self.warm.offer(group, place.bytes_per_node, place.plan.chunk_tokens)
+
+    def mark_pending_prefix(self, job: Job) -> None:
+        """Later jobs on the same document wait for this prefill (its ranks clear the marks)."""
+        if self.settings.prefix_cache == "on" and worth_keeping(
+            len(job.tokens), job.prefix.kept_tokens
+        ):
+            PendingPrefixes(self.conn, PENDING_TTL_S).mark(
+                job.record.id, model_key(job.record.spec.model), job.tokens
+            )
 
     def new_group(self, job: Job, place: Place, nodes: dict[str, NodeInfo]) -> GroupSpec:
         return GroupSpec.from_plan(

@@ -58,7 +58,9 @@ def group_next(group_id: str, rank: int) -> str:
 
 
 def group_batch(group_id: str) -> str:
-    return f"{PREFIX}:group:{group_id}:batch"  # set: job ids a warm group runs now (its batch)
+    # hash: job id -> bytes its joining added to the group's reservation, for the jobs a warm
+    # group runs now (its batch); the reconciler retries all of them when the group is lost
+    return f"{PREFIX}:group:{group_id}:batch"
 
 
 def node_reserved(name: str) -> str:

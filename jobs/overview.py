@@ -7,6 +7,7 @@ whole document). Queues of nodes that stopped heartbeating are left out."""
 
 import json
 import time
+from collections import Counter
 from typing import Any
 
 import redis
@@ -59,6 +60,17 @@ class IdleGroup(_Row):
     bytes_per_node: int
 
 
+class BusyGroup(_Row):
+    """A warm group running jobs now: its batch (continuous batching, jobs/warm_groups.py)."""
+
+    group_id: str
+    model: str
+    strategy: str
+    nodes: list[str]
+    jobs: list[str]  # its batch: prefilling or decoding
+    decoding: int  # of those, how many decode now
+
+
 class Overview(_Row):
     taken_at: float
     queues: list[QueueRow]
@@ -66,6 +78,7 @@ class Overview(_Row):
     reserved_bytes: dict[str, int]  # node -> bytes held by running groups' reservations
     running: list[RunningJob]
     idle_groups: list[IdleGroup] = []
+    busy_groups: list[BusyGroup] = []
     queued: list[JobSummary] = []  # oldest first (the next to be placed), waiting_reason each
     queued_total: int = 0  # all queued jobs; `queued` holds the first QUEUED_SHOWN
     services: list[ServiceStatus] = []  # what `ringq up` supervises: state, restarts
@@ -78,12 +91,14 @@ def take_overview(conn: redis.Redis) -> Overview:
     """Queues (the admit queue, then every registered node's), live nodes, running jobs."""
     store = JobStore(conn)
     nodes = store.live_nodes()
+    running = running_jobs(conn)
     return Overview(
         taken_at=time.time(),
         queues=queue_rows(conn, [n.name for n in nodes]),
         nodes=nodes,
         reserved_bytes=reserved_per_node(conn, [n.name for n in nodes]),
-        running=running_jobs(conn),
+        running=running,
+        busy_groups=busy_groups(WarmGroups(conn), running),
         queued=oldest_queued(conn, QUEUED_SHOWN),
         queued_total=int(conn.zcard(keys.jobs_in_state(JobState.QUEUED))),
         idle_groups=[idle_group(warm) for warm in WarmGroups(conn).idle_groups()],
@@ -100,6 +115,28 @@ def idle_group(warm: WarmGroup) -> IdleGroup:
         nodes=group.nodes,
         bytes_per_node=warm.bytes_per_node,
     )
+
+
+def busy_groups(warm: WarmGroups, running: list[RunningJob]) -> list[BusyGroup]:
+    decoding = Counter(
+        job.placement.group_id
+        for job in running
+        if job.state == JobState.DECODE and job.placement is not None
+    )
+    found = []
+    for entry in warm.busy_groups():
+        group = entry.group
+        found.append(
+            BusyGroup(
+                group_id=group.group_id,
+                model=group.model,
+                strategy=group.strategy,
+                nodes=group.nodes,
+                jobs=warm.batch(group.group_id),
+                decoding=decoding[group.group_id],
+            )
+        )
+    return found
 
 
 def reserved_per_node(conn: redis.Redis, names: list[str]) -> dict[str, int]:

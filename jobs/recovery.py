@@ -157,9 +157,49 @@ def forget_group(conn: redis.Redis, group_id: str, seen: bytes | str) -> bool:
 
 
 def current_job(conn: redis.Redis, group_id: str, default: str) -> str:
-    """The job a group runs now: a warm group runs one job after another."""
+    """The job a group was last given: a warm group runs one job after another."""
     raw = conn.hget(keys.GROUPS_INDEX, group_id)
     return TrackedGroup.model_validate_json(raw).group.job_id if raw else default
+
+
+def group_job_ids(conn: redis.Redis, group_id: str, default: str) -> list[str]:
+    """Every job a group runs now: the one it was last given and its batch (continuous
+    batching: jobs that joined while it decoded), in a stable order."""
+    batch = [m.decode() if isinstance(m, bytes) else str(m) for m in
+             conn.hkeys(keys.group_batch(group_id))]  # fmt: skip
+    return list(dict.fromkeys([current_job(conn, group_id, default), *sorted(batch)]))
+
+
+def live_on_group(store: JobStore, job_ids: list[str], group_id: str) -> list[JobRecord]:
+    """The records of `job_ids` that still run on `group_id` (not ended, not moved on)."""
+    found = []
+    for job_id in job_ids:
+        try:
+            record = store.get(job_id)
+        except JobNotFoundError:
+            continue
+        placement = record.placement
+        if not record.state.is_final and placement is not None and placement.group_id == group_id:
+            found.append(record)
+    return found
+
+
+def lose_group_jobs(
+    conn: redis.Redis, settings: Settings, group: GroupSpec, reason: str, retry: bool = True
+) -> dict[str, str | None]:
+    """lose_group for every job the group runs (a batch is retried whole, each job once:
+    each retry is checked against the job's placement); job id -> outcome."""
+    report_group_failure(conn, group.group_id, reason, retry)
+    store = JobStore(conn, settings.job_ttl_s)
+    job_ids = group_job_ids(conn, group.group_id, group.job_id)
+    records = live_on_group(store, job_ids, group.group_id)
+    if not records:  # nothing to retry; still drop the group from the index
+        conn.hdel(keys.GROUPS_INDEX, group.group_id)
+    outcomes = {
+        r.id: lose_group(conn, settings, r.id, group.group_id, reason, retry) for r in records
+    }
+    conn.delete(keys.group_batch(group.group_id))  # each job is retried or failed now
+    return outcomes
 
 
 def has_live_lease(conn: redis.Redis, group: GroupSpec) -> bool:
@@ -207,25 +247,32 @@ def reconcile(conn: redis.Redis, settings: Settings) -> list[str]:
         group_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
         entry = TrackedGroup.model_validate_json(raw)
         group = entry.group
-        try:
-            record = store.get(group.job_id)
-        except JobNotFoundError:
-            forget_group(conn, group_id, raw)
-            continue
-        if record.state.is_final:
-            forget_group(conn, group_id, raw)
-            continue
-        if record.placement is None or record.placement.group_id != group_id:
-            # the job moved on, or a dispatcher died between tracking the group and admitting
-            # the job (RQ admits it again); a job whose admission is in flight is left alone
-            if time.time() - entry.admitted_at > settings.reservation_lease_s:
+        running = live_on_group(store, group_job_ids(conn, group_id, group.job_id), group_id)
+        if not running:
+            # every job ended or moved on, or a dispatcher died between tracking the group and
+            # admitting the job (RQ admits it again): a job whose admission is in flight is
+            # left alone for a lease's time
+            if not admission_in_flight(store, group.job_id, entry, settings):
                 forget_group(conn, group_id, raw)
             continue
         reason = why_lost(conn, settings, group, live, entry.admitted_at)
         if reason is not None:
-            lose_group(conn, settings, group.job_id, group_id, reason)
+            for record in running:  # a batch: every job of it
+                lose_group(conn, settings, record.id, group_id, reason)
+            conn.delete(keys.group_batch(group_id))
             lost.append(group_id)
     return lost
+
+
+def admission_in_flight(
+    store: JobStore, job_id: str, entry: TrackedGroup, settings: Settings
+) -> bool:
+    try:
+        record = store.get(job_id)
+    except JobNotFoundError:
+        return False
+    recent = time.time() - entry.admitted_at <= settings.reservation_lease_s
+    return not record.state.is_final and recent
 
 
 def why_lost(

@@ -126,6 +126,7 @@ class JobResult(_Message):
     prefill_started_at: float | None = None  # unix time; minus the job's created_at: its wait
     cached_tokens: int = 0  # prompt tokens taken from a kept KV cache (automatic or cache_from)
     cache_source: str | None = None  # where they came from, e.g. 'job 3f2a (single on n1)'
+    batch_size: int = 1  # the most sequences it decoded together with (continuous batching)
 
 
 class JobRecord(_Message):
@@ -261,6 +262,7 @@ class WarmGroup(_Message):
 
     group: GroupSpec
     bytes_per_node: int  # what it holds reserved on each of its nodes
+    chunk_tokens: int | None = None  # its jobs' prefill chunk (a job that joins it uses it too)
 
 
 class GroupFailure(_Message):

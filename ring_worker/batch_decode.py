@@ -47,6 +47,7 @@ class DecodeRequest:
     seed: int = 0
     on_progress: ProgressFn | None = None
     should_stop: StopFn | None = None  # asked on every rank, every step the sequence is in
+    stop_when: Callable[[list[int]], bool] | None = None  # after each token (stop strings)
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,9 @@ class BatchDecoder:
         sequence.tokens.append(token)
         if request.on_progress:
             request.on_progress("decode", len(sequence.tokens), request.max_tokens)
-        return token in request.stop_ids or len(sequence.tokens) >= request.max_tokens
+        if token in request.stop_ids or len(sequence.tokens) >= request.max_tokens:
+            return True
+        return request.stop_when is not None and request.stop_when(sequence.tokens)
 
     def _result(self, sequence: _Sequence, stop: int) -> SequenceResult:
         steps = max(sequence.steps, 1)

@@ -36,6 +36,9 @@ class JobIO(Protocol):
         self, group: GroupSpec, rank: int, kick: Callable[[], None]
     ) -> Optional["JobIO"]: ...
     def await_placement(self) -> bool: ...
+    def joined(self, group: GroupSpec, rank: int, agree: Callable[[int], int]) -> list["JobIO"]: ...
+    def batch_started(self, group: GroupSpec) -> None: ...
+    def batch_ended(self, group: GroupSpec) -> None: ...
     def enter(self, phase: JobState, total: int) -> None: ...
     def progress(self, progress: Progress) -> None: ...
     def text(self, delta: str) -> None: ...
@@ -79,9 +82,26 @@ class RedisJobIO:
         warm = WarmGroups(self.store.conn)
         if rank == 0:
             placement = self.store.get(self.job_id).placement
-            warm.offer(group, placement.bytes_per_node if placement else 0)
+            if placement is None:
+                warm.offer(group, 0)
+            else:
+                warm.offer(group, placement.bytes_per_node, placement.chunk_tokens)
         job_id = warm.wait_for_job(group, rank, group.idle_s, kick=kick)
         return None if job_id is None else RedisJobIO(self.store, job_id, self.group_id)
+
+    def joined(self, group: GroupSpec, rank: int, agree: Callable[[int], int]) -> list["JobIO"]:
+        """Between decode steps, every rank: the jobs handed to the busy group since (the same
+        on every rank; `agree` is a collective, jobs.warm_groups.WarmGroups.joined)."""
+        job_ids = WarmGroups(self.store.conn).joined(group, rank, agree)
+        return [RedisJobIO(self.store, job_id, self.group_id) for job_id in job_ids]
+
+    def batch_started(self, group: GroupSpec) -> None:
+        """Rank 0: the job is in the group's batch (what a lost group's retry covers)."""
+        WarmGroups(self.store.conn).started(group, self.job_id)
+
+    def batch_ended(self, group: GroupSpec) -> None:
+        """Rank 0: the job left the batch; the bytes its joining reserved are given back."""
+        WarmGroups(self.store.conn).ended(group, self.job_id)
 
     def await_placement(self) -> bool:
         """Whether the job is placed on this group, once the dispatcher has recorded it (False
@@ -181,6 +201,15 @@ class FileJobIO:
 
     def await_placement(self) -> bool:
         return True
+
+    def joined(self, group: GroupSpec, rank: int, agree: Callable[[int], int]) -> list[JobIO]:
+        return []
+
+    def batch_started(self, group: GroupSpec) -> None:
+        pass
+
+    def batch_ended(self, group: GroupSpec) -> None:
+        pass
 
     def enter(self, phase: JobState, total: int) -> None:
         self._write("progress", Progress(phase=phase, total=total).model_dump(mode="json"))

@@ -18,7 +18,7 @@ import redis
 
 from jobs import keys
 from jobs.errors import JobNotFoundError, RingqError
-from jobs.recovery import current_job, lose_group
+from jobs.recovery import lose_group_jobs
 from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, NodeInfo
 from jobs.settings import Settings
@@ -232,9 +232,9 @@ class NodeAgent:
         reason = f"rank {rp.rank} on node {self.name} {how}"
         if tail := log_tail(rp.log_path):
             reason += f": {tail}"
-        job_id = current_job(self.conn, rp.group.group_id, rp.group.job_id)
-        outcome = lose_group(self.conn, self.settings, job_id, rp.group.group_id, reason)
-        log.warning("job %s: %s (%s)", job_id, reason, outcome or "already handled")
+        outcomes = lose_group_jobs(self.conn, self.settings, rp.group, reason)
+        for job_id, outcome in outcomes.items() or [(rp.group.job_id, None)]:
+            log.warning("job %s: %s (%s)", job_id, reason, outcome or "already handled")
 
     def run(self) -> None:
         """Serve until SIGINT/SIGTERM; then stop every rank this agent started."""

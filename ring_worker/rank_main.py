@@ -1,4 +1,6 @@
-"""A rank process: join the group, load the model, run the group's job, report through a JobIO.
+"""A rank process: the process entry, and one job's path through the engine (prefill, decode,
+result), reporting through a JobIO. ring_worker/serve_loop.py loads the group and feeds it jobs
+(one at a time, or batched: ring_worker/batch_serve.py).
 
 This is the bridge from a job to the engine. Started fresh (`python -m ring_worker.rank_main`) by
 a node agent or by `ringq run`; never forked from a process that has MLX initialised."""
@@ -10,36 +12,26 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
-from jobs.errors import ModelLoadError, RingqError
+from jobs.errors import RingqError
 from jobs.lifecycle import JobState
-from jobs.model_catalog import resolve_model
-from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
+from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec
 from jobs.settings import Settings
-from jobs.tokenizer import ChatTokenizer, load_tokenizer
+from jobs.tokenizer import ChatTokenizer
 from ring_worker.checkpoint import end_checkpoints, start_checkpoints
-from ring_worker.decode_text import cut_at_stop, partial_result
-from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
-from ring_worker.group import join_group
 from ring_worker.job_io import FileJobIO, JobIO, RedisJobIO
-from ring_worker.job_prefix import keep_after, memory_room, open_prefix_cache, starting_point
-from ring_worker.models import load_for_this_device
-from ring_worker.pipeline import keep_stage
-from ring_worker.prefix_reuse import RankPrefixCache, describe_source
+from ring_worker.job_prefix import keep_after, memory_room, starting_point
+from ring_worker.job_report import enter, job_result, kicking, throttled
+from ring_worker.prefix_reuse import RankPrefixCache, Reuse, describe_source
 from ring_worker.processes import exit_with_parent
-from ring_worker.strategies import make_engine
 from ring_worker.text_stream import DecodeText
 from ring_worker.watchdog import Watchdog, loading_timeout_s
 
 log = logging.getLogger(__name__)
-PROGRESS_INTERVAL_S = 0.25
-IDLE_GRACE_S = 60.0  # a warm group's ranks wait this much longer than its idle time
 
 
 @dataclass(frozen=True)
@@ -56,28 +48,17 @@ class RankContext:
         return self.rank == 0
 
 
-def serve(ctx: RankContext, io: JobIO, watchdog: Watchdog) -> None:
-    """Load once and run the group's job; a warm group (group.idle_s > 0) then runs the jobs the
-    dispatcher gives it, until it has been idle that long."""
-    started = time.perf_counter()
-    if ctx.lead:
-        io.enter(JobState.LOADING, len(io.tokens()))
-    engine, tokenizer = start_engine(ctx, io)
-    prefix = open_prefix_cache(ctx.settings, ctx.group, ctx.rank, engine, io)
-    load_s = time.perf_counter() - started
-    log.info("job %s rank %d: loaded %s in %.1fs", io.job_id, ctx.rank, ctx.group.model, load_s)
-    job: JobIO | None = io
-    while job is not None:
-        try:
-            run_job(engine, tokenizer, ctx, job, watchdog, load_s, prefix)
-        except Cancelled as exc:  # every rank stops this job together; the group lives on
-            log.info("job %s rank %d: cancelled, %s", job.job_id, ctx.rank, exc)
-            if ctx.lead:
-                spec = job.spec()
-                partial = partial_result(tokenizer, exc.tokens, len(job.tokens()), spec.stop)
-                job.cancelled(f"cancelled: {exc}", partial)
-        load_s = 0.0
-        job = next_job(ctx, engine, job, watchdog)
+@dataclass(frozen=True)
+class Prefilled:
+    """A job whose prompt is in the KV cache: what its result and kept prefix need."""
+
+    spec: JobSpec
+    tokens: list[int]
+    prefill: PrefillResult
+    start: Reuse | None  # the kept prefix it continued, if any
+    started_at: float  # unix s, as the prefill began
+    report: ProgressFn  # the job's progress callback (watchdog kick, throttled report)
+    automatic: bool  # automatic prefix reuse is on
 
 
 def run_job(
@@ -89,27 +70,22 @@ def run_job(
     load_s: float,
     prefix: RankPrefixCache | None = None,
 ) -> None:
-    lead = ctx.lead
-    spec, tokens = io.spec(), io.tokens()
-    automatic = ctx.settings.prefix_cache == "on"
-    start = starting_point(prefix, engine, spec, tokens, automatic, memory_room(io))
-    cache, reused = (start.cache, start.tokens) if start is not None else (None, 0)
-    report = kicking(watchdog, throttled(io, lead))
+    """One job alone on the group: prefill, then (generate) decode, then the result."""
     mx.reset_peak_memory()  # this job's peak: not the warm-up's, nor an earlier job's
-    enter(io, lead, watchdog, JobState.PREFILL, len(tokens) - reused)
-    prefill_started_at = time.time()
-    prefill = checkpointed_prefill(engine, ctx, io, tokens, report, cache, reused)
+    job = prefill_job(engine, ctx, io, watchdog, prefix)
+    spec = job.spec
     decoded = DecodeResult([], 0.0)
     if spec.kind == JobKind.GENERATE:
-        enter(io, lead, watchdog, JobState.DECODE, len(tokens))
-        text = DecodeText(io, tokenizer, spec.stop, lead)  # stop strings; the lead streams text
+        enter(io, ctx.lead, watchdog, JobState.DECODE, len(job.tokens))
+        # stop strings; the lead streams the text
+        text = DecodeText(io, tokenizer, spec.stop, ctx.lead)
         decoded = engine.decode(
-            prefill,
+            job.prefill,
             spec.max_tokens,
             temperature=spec.temperature,
             stop_ids=tokenizer.eos_token_ids,
             seed=spec.seed or 0,
-            on_progress=report,
+            on_progress=job.report,
             should_stop=io.should_stop,
             stop_when=text.stop_when,
         )
@@ -117,15 +93,55 @@ def run_job(
     watchdog.kick("finishing")
     peaks = engine.gather_ints(mx.get_peak_memory())
     if spec.keep_cache:  # a pinned cache is ready when its job is: --cache-from may follow at once
-        keep_after(prefix, engine, io.job_id, spec, tokens, prefill, start, automatic)
-    if lead:
-        result = job_result(spec, tokenizer, len(tokens), load_s, prefill, decoded, peaks)
-        extra = {"prefill_started_at": prefill_started_at, "cached_tokens": reused,
-                 "cache_source": describe_source(start)}  # fmt: skip
-        io.finish(result.model_copy(update=extra))
+        keep_prefix(engine, prefix, io, job)
+    if ctx.lead:
+        io.finish(finished_result(tokenizer, job, load_s, decoded, peaks))
     if not spec.keep_cache:  # after the result: its KV is kept while the user reads it
-        keep_after(prefix, engine, io.job_id, spec, tokens, prefill, start, automatic)
+        keep_prefix(engine, prefix, io, job)
     log.info("job %s rank %d: done", io.job_id, ctx.rank)
+
+
+def prefill_job(
+    engine: Engine,
+    ctx: RankContext,
+    io: JobIO,
+    watchdog: Watchdog,
+    prefix: RankPrefixCache | None,
+) -> Prefilled:
+    """The job's prompt into a KV cache (from a kept prefix where one matches), on every rank."""
+    spec, tokens = io.spec(), io.tokens()
+    automatic = ctx.settings.prefix_cache == "on"
+    start = starting_point(prefix, engine, spec, tokens, automatic, memory_room(io))
+    cache, reused = (start.cache, start.tokens) if start is not None else (None, 0)
+    report = kicking(watchdog, throttled(io, ctx.lead))
+    enter(io, ctx.lead, watchdog, JobState.PREFILL, len(tokens) - reused)
+    started_at = time.time()
+    prefill = checkpointed_prefill(engine, ctx, io, tokens, report, cache, reused)
+    return Prefilled(spec, tokens, prefill, start, started_at, report, automatic)
+
+
+def keep_prefix(engine: Engine, prefix: RankPrefixCache | None, io: JobIO, job: Prefilled) -> None:
+    keep_after(
+        prefix, engine, io.job_id, job.spec, job.tokens, job.prefill, job.start, job.automatic
+    )
+
+
+def finished_result(
+    tokenizer: ChatTokenizer,
+    job: Prefilled,
+    load_s: float,
+    decoded: DecodeResult,
+    peaks: list[int],
+    batch_size: int = 1,
+) -> JobResult:
+    result = job_result(job.spec, tokenizer, len(job.tokens), load_s, job.prefill, decoded, peaks)
+    extra = {
+        "prefill_started_at": job.started_at,
+        "cached_tokens": job.start.tokens if job.start is not None else 0,
+        "cache_source": describe_source(job.start),
+        "batch_size": batch_size,
+    }
+    return result.model_copy(update=extra)
 
 
 def checkpointed_prefill(
@@ -169,163 +185,6 @@ def checkpointed_prefill(
         raise
     end_checkpoints(saver, keep=False)
     return prefill
-
-
-def next_job(ctx: RankContext, engine: Engine, io: JobIO, watchdog: Watchdog) -> JobIO | None:
-    """A warm group's next job: every rank waits in Redis for the dispatcher's word and all get
-    the same. The dispatcher hands a job over before it records the placement, so every rank
-    waits for that record, and the ranks agree to skip a job that never became theirs (it was
-    cancelled meanwhile). None: the group retires."""
-    group = ctx.group
-    if group.idle_s <= 0:
-        return None
-    while True:
-        watchdog.kick("idle", group.idle_s + IDLE_GRACE_S)
-        job = io.next_job(group, ctx.rank, watchdog.kick)
-        if job is None:
-            log.info("group %s rank %d: idle, retiring", group.group_id, ctx.rank)
-            return None
-        votes = engine.gather_ints(int(job.await_placement()))
-        if all(votes):
-            if ctx.lead:
-                job.enter(JobState.LOADING, len(job.tokens()))  # already loaded: straight on
-            return job
-        log.info(
-            "group %s rank %d: job %s is not ours, skipped", group.group_id, ctx.rank, job.job_id
-        )
-        io = job
-
-
-def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
-    """Join the group and load the model as its plan says; ranks of a job cancelled meanwhile
-    stop together."""
-    group, rank = ctx.group, ctx.rank
-    on_cpu = rank < len(group.devices) and group.devices[rank] == "cpu"
-    if on_cpu:  # the plan puts this rank on CPU, GPU or not (admission.group_plan)
-        mx.set_default_device(mx.cpu)
-    else:
-        cap_device_memory(ctx.settings.rank_memory_limit_bytes)
-    mx_group = join_group(group.addresses, rank, ctx.scratch_dir, group.transport)
-    stop_if_cancelled(mx_group, io, "before loading the model")
-    source = resolve_model(group.model, allowed_dirs=ctx.settings.allowed_dirs)
-    prune = None
-    if group.strategy == "pipeline" and group.ranks > 1:
-        prune = partial(keep_stage, rank=rank, size=group.ranks)
-    try:
-        planned_cpu = on_cpu if group.devices else None  # a plan without devices: look
-        model = load_for_this_device(source, prune, group.compute_dtype, cpu=planned_cpu)
-    except (OSError, ValueError, RuntimeError) as exc:  # a new placement would fail the same way
-        raise ModelLoadError(f"cannot load model {group.model}: {exc}") from exc
-    tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
-    stop_if_cancelled(mx_group, io, "after loading the model")
-    engine = make_engine(model, mx_group, group.strategy, group.exchange, group.kv_layout)
-    warm_up(engine, io.chunk_tokens(), ctx)
-    return engine, tokenizer
-
-
-def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> None:
-    """On GPUs, run the kernels the group's jobs will need once while loading: a prefill of two
-    chunks (the first chunk's shapes and one with a past) and two decode steps, on token 0. The
-    first job then starts with compiled kernels, graphs and NCCL set up (cold vs warm in
-    bench/results/h200-service/). CPU kernels need no warm-up."""
-    if not ctx.settings.warm_up or mx.default_device().type != mx.gpu:
-        return
-    started = time.perf_counter()
-    prefill = engine.prefill([0] * (2 * chunk_tokens), chunk_tokens)
-    engine.decode(prefill, 2)
-    mx.clear_cache()
-    log.info(
-        "job %s rank %d: warmed up (%d-token chunks) in %.1fs",
-        ctx.group.job_id,
-        ctx.rank,
-        chunk_tokens,
-        time.perf_counter() - started,
-    )
-
-
-def stop_if_cancelled(mx_group: Any, io: JobIO, when: str) -> None:
-    """The ranks agree (one tiny collective) whether the job was cancelled; all raise if so."""
-    votes = mx.array([int(io.should_stop())], dtype=mx.int32)
-    if mx_group is not None:
-        votes = mx.distributed.all_sum(votes, group=mx_group)
-    if votes.item():
-        raise Cancelled(f"stopped {when}")
-
-
-def enter(io: JobIO, lead: bool, watchdog: Watchdog, phase: JobState, total: int) -> None:
-    watchdog.kick(phase.value)
-    if lead:
-        io.enter(phase, total)
-
-
-def job_result(
-    spec: JobSpec,
-    tokenizer: ChatTokenizer,
-    prompt_tokens: int,
-    load_s: float,
-    prefill: PrefillResult,
-    decoded: DecodeResult,
-    peaks: list[int],
-) -> JobResult:
-    generated = decoded.tokens
-    text = tokenizer.decode([t for t in generated if t not in tokenizer.eos_token_ids])
-    return JobResult(
-        text=cut_at_stop(text, spec.stop) if spec.kind == JobKind.GENERATE else None,
-        prompt_tokens=prompt_tokens,
-        generated_tokens=len(generated),
-        prompt_tps=prefill.prompt_tokens / prefill.seconds,  # the tokens computed
-        generation_tps=len(generated) / decoded.seconds if decoded.seconds else 0.0,
-        load_s=load_s,
-        prefill_s=prefill.seconds,
-        decode_s=decoded.seconds,
-        peak_memory_bytes=peaks,
-    )
-
-
-def kicking(watchdog: Watchdog, report: ProgressFn) -> ProgressFn:
-    """The engine's progress callback (every rank, each chunk / decode step): a watchdog kick,
-    then the throttled report."""
-
-    def on_progress(phase: str, done: int, total: int) -> None:
-        watchdog.kick(phase)
-        report(phase, done, total)
-
-    return on_progress
-
-
-@dataclass
-class _ReportClock:
-    phase: str = ""
-    phase_started_s: float = 0.0
-    last_write_s: float = 0.0
-
-
-def throttled(io: JobIO, lead: bool):
-    """Progress callback for the engine: rank 0 writes at most every PROGRESS_INTERVAL_S, and
-    always the first and last update of a phase."""
-    clock = _ReportClock()
-
-    def report(phase: str, done: int, total: int) -> None:
-        if not lead:
-            return
-        now = time.perf_counter()
-        if phase != clock.phase:
-            clock.phase, clock.phase_started_s = phase, now
-        if done not in (1, total) and now - clock.last_write_s < PROGRESS_INTERVAL_S:
-            return
-        clock.last_write_s = now
-        elapsed = max(now - clock.phase_started_s, 1e-9)
-        io.progress(
-            Progress(
-                phase=JobState(phase),
-                processed=done,
-                total=total,
-                prompt_tps=done / elapsed if phase == "prefill" else 0.0,
-                generation_tps=done / elapsed if phase == "decode" else 0.0,
-            )
-        )
-
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,6 +248,8 @@ def run_guarded(ctx: RankContext, io: JobIO) -> int:
     watchdog = Watchdog(
         group.job_id, rank, stall_timeout_s, on_stall=lambda reason: io.fail(f"{where}: {reason}")
     ).start("loading", loading_timeout_s(stall_timeout_s))
+    from ring_worker.serve_loop import serve  # it builds on the per-job path above
+
     try:
         serve(ctx, io, watchdog)
     except Cancelled as exc:  # before the model was loaded

@@ -20,9 +20,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from jobs.errors import JobNotFoundError
 from jobs.lifecycle import JobState
-from jobs.recovery import current_job, lose_group
+from jobs.recovery import group_job_ids, live_on_group, lose_group_jobs
 from jobs.schemas import GroupSpec, JobRecord
 from jobs.settings import Settings
 from jobs.store import JobStore
@@ -54,18 +53,21 @@ class StallWatch:
 
     def check(self, group: GroupSpec) -> str | None:
         """Why `group` (a rank of it runs here) counts as stalled, or None."""
-        job_id = current_job(self.store.conn, group.group_id, group.job_id)
-        try:
-            record: JobRecord | None = self.store.get(job_id)
-        except JobNotFoundError:
-            record = None
-        return self.check_record(group.group_id, record)
+        job_ids = group_job_ids(self.store.conn, group.group_id, group.job_id)
+        records = live_on_group(self.store, job_ids, group.group_id)
+        return self.check_records(group.group_id, records)
 
     def check_record(self, group_id: str, record: JobRecord | None) -> str | None:
-        if record is None or not _started_on(record, group_id):
+        return self.check_records(group_id, [] if record is None else [record])
+
+    def check_records(self, group_id: str, records: list[JobRecord]) -> str | None:
+        """A group with several jobs (a batch) progresses while any of them does."""
+        started = [r for r in records if _started_on(r, group_id)]
+        if not started:
             self._seen.pop(group_id, None)
             return None
-        mark = (record.id, record.state, record.updated_at, record.progress.model_dump_json())
+        mark = tuple((r.id, r.state, r.updated_at, r.progress.model_dump_json()) for r in started)
+        record = min(started, key=lambda r: r.state != JobState.LOADING)
         now = self.clock()
         seen = self._seen.get(group_id)
         if seen is None or seen.mark != mark:
@@ -90,10 +92,10 @@ class StallWatch:
     def lose(self, group: GroupSpec, rank: int, process: subprocess.Popen, reason: str) -> None:
         """Report the group lost (the job is retried or failed), then kill the rank: SIGKILL,
         which a stopped process cannot defer. Its exit is then reaped as already handled."""
-        job_id = current_job(self.store.conn, group.group_id, group.job_id)
         why = f"rank {rank} on node {self.node} {reason}"
-        outcome = lose_group(self.store.conn, self.settings, job_id, group.group_id, why)
-        log.warning("job %s rank %d: %s (%s)", job_id, rank, why, outcome or "already handled")
+        outcomes = lose_group_jobs(self.store.conn, self.settings, group, why)
+        for job_id, outcome in outcomes.items() or [(group.job_id, None)]:
+            log.warning("job %s rank %d: %s (%s)", job_id, rank, why, outcome or "already handled")
         process.kill()
         self._seen.pop(group.group_id, None)
 

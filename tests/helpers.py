@@ -29,13 +29,15 @@ def short_tmp_dir(prefix: str) -> Path:
 
 
 @contextmanager
-def private_cluster(name_prefix: str, env: dict[str, str]) -> Iterator[LocalCluster]:
-    """Its own Redis, dispatcher and two nodes: the session cluster shares its Redis with tests
-    that flush it, and these tests stop its processes."""
+def private_cluster(
+    name_prefix: str, env: dict[str, str], node_count: int = 2
+) -> Iterator[LocalCluster]:
+    """Its own Redis, dispatcher and nodes (two unless asked): the session cluster shares its
+    Redis with tests that flush it, and these tests stop its processes."""
     home = short_tmp_dir(f"ringq-{name_prefix}-")
     try:
         settings = Settings(home=home, redis_url=None)
-        with LocalCluster(settings, 2, name_prefix=name_prefix, extra_env=env) as running:
+        with LocalCluster(settings, node_count, name_prefix=name_prefix, extra_env=env) as running:
             running.wait_ready()
             yield running
     finally:

@@ -7,7 +7,7 @@ from rich.console import Console
 
 from cli.render import describe, nodes_table, result_json, stats_line, status_json
 from jobs.lifecycle import JobState
-from jobs.schemas import JobKind, JobRecord, JobSpec, NodeInfo, Placement, Progress
+from jobs.schemas import JobKind, JobRecord, JobResult, JobSpec, NodeInfo, Placement, Progress
 
 STATS = {
     "prompt_tokens": 1032,
@@ -89,3 +89,13 @@ def test_nodes_table_shows_each_nodes_device():
     rows = out.getvalue().splitlines()
     assert any("n0" in row and "cuda:1 NVIDIA H200" in row for row in rows)
     assert any("n1" in row and "cpu" in row for row in rows)
+
+
+def test_status_shows_the_batch_a_job_decoded_in():
+    alone = JobResult.model_validate({**STATS, "text": "ok"})
+    batched = alone.model_copy(update={"batch_size": 3})
+    assert "batch:" not in describe(record(JobState.FINISHED, result=alone))
+    text = describe(record(JobState.FINISHED, result=batched))
+    assert "batch: decoded with up to 3 sequences at once" in text
+    assert status_json(record(JobState.FINISHED, result=batched))["batch_size"] == 3
+    assert result_json(record(JobState.FINISHED, result=batched))["batch_size"] == 3

@@ -133,6 +133,7 @@ def test_top_json_is_one_object(ringq, busy):
         "reserved_bytes",
         "running",
         "idle_groups",
+        "busy_groups",
         "queued",
         "queued_total",
         "services",
@@ -226,3 +227,24 @@ def test_eta_s(progress, expected):
 )
 def test_format_eta(seconds, text):
     assert format_eta(seconds) == text
+
+
+def test_top_shows_how_many_sequences_a_busy_group_decodes(ringq, redis_conn, busy):
+    """A warm group running a batch (continuous batching): its jobs, and those decoding now."""
+    store, warm = JobStore(redis_conn), WarmGroups(redis_conn)
+    group = GroupSpec(
+        group_id="g1",
+        job_id="job-0",
+        model="smollm2",
+        addresses=["127.0.0.1:1", "127.0.0.1:2"],
+        nodes=["node-0", "node-1"],
+    )
+    warm.offer(group, GiB)
+    warm.started(group, "job-0")
+    assert warm.join(group, "job-1", max_batch=4) == "joined"
+    store.transition(busy[0], JobState.DECODE)
+    [batch] = take_overview(redis_conn).busy_groups
+    assert (batch.group_id, batch.jobs, batch.decoding) == ("g1", ["job-0", "job-1"], 1)
+    out = ringq("top", "--once")
+    assert out.exit_code == 0, out.output
+    assert "busy warm groups: 1" in out.output and "job-0, job-1" in out.output

@@ -5,13 +5,14 @@ import time
 
 import pytest
 
+from admission.estimate import Layout, batch_row_bytes
 from admission.vocabulary import Transport
-from jobs.admit_plan import Cluster, Job, Place, Wait, plan_admission
+from jobs.admit_plan import Cluster, Job, Place, Wait, plan_admission, plan_joins
 from jobs.errors import AdmissionError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import read_model_shape, resolve_model
 from jobs.prefix_cache import PrefixHint
-from jobs.schemas import GroupSpec, JobKind, JobRecord, JobSpec, NodeInfo, Progress
+from jobs.schemas import GroupSpec, JobKind, JobRecord, JobSpec, NodeInfo, Progress, WarmGroup
 from jobs.settings import Settings
 
 GIB = 1024**3
@@ -179,3 +180,57 @@ def test_a_warm_placement_records_the_jobs_own_need_beside_what_the_group_holds(
     own = fresh.bytes_per_node  # what a fresh group reserves for this job
     assert place.job_bytes_per_node == own
     assert place.bytes_per_node == max(own, held_gib * GIB)
+
+
+def busy_single_group(cluster: Cluster) -> WarmGroup:
+    """A warm group running a generate job alone on g0, as a fresh placement makes it."""
+    place = plan_admission(generate(4096), cluster, SETTINGS)
+    assert isinstance(place, Place) and place.plan.layout.strategy == "single"
+    group = GroupSpec.from_plan(
+        place.plan, group_id="busy1", job_id="first", model=MODEL, addresses=["127.0.0.1:1"]
+    )
+    return WarmGroup(group=group, bytes_per_node=place.bytes_per_node, chunk_tokens=4096)
+
+
+def generate(tokens: int, **spec_fields) -> Job:
+    plain = job(tokens, **spec_fields)
+    spec = JobSpec(kind=JobKind.GENERATE, document="x", model=MODEL, max_tokens=256, **spec_fields)
+    record = plain.record.model_copy(update={"spec": spec, "kind": spec.kind})
+    return Job(record, plain.tokens, plain.shape, plain.model_dtype)
+
+
+def test_a_generate_job_may_join_a_busy_group_of_its_layout_growing_it_by_its_kv():
+    cluster = Cluster([gpu("g0", 0)], {}, [])
+    warm = busy_single_group(cluster)
+    cluster = Cluster([gpu("g0", 0)], {}, [], busy=[warm])
+    [join] = plan_joins(generate(1000), cluster, SETTINGS)
+    shape = generate(1000).shape.in_dtype(2)  # bf16 on the GPU
+    assert join.group == warm.group and join.max_batch == 32  # the CUDA default
+    assert join.grow_bytes == batch_row_bytes(shape, 1000, 256, Layout("single"))
+    assert join.plan.chunk_tokens == 4096  # the group's own chunk
+    two = Settings(redis_url=None, max_batch=2)
+    assert plan_joins(generate(1000), cluster, two)[0].max_batch == 2
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["batching off", "a prefill job", "asks for a ring", "another model", "a pipeline group"],
+)
+def test_what_never_joins_a_busy_group(case):
+    cluster = Cluster([gpu("g0", 0)], {}, [])
+    warm = busy_single_group(cluster)
+    settings, candidate = SETTINGS, generate(1000)
+    if case == "batching off":
+        settings = Settings(redis_url=None, max_batch=1)
+    elif case == "a prefill job":
+        candidate = job(1000)
+    elif case == "asks for a ring":
+        candidate = generate(1000, strategy="ring")
+    elif case == "another model":
+        group = warm.group.model_copy(update={"model": "smollm2"})
+        warm = warm.model_copy(update={"group": group})
+    else:
+        group = warm.group.model_copy(update={"strategy": "pipeline"})
+        warm = warm.model_copy(update={"group": group})
+    busy = Cluster([gpu("g0", 0)], {}, [], busy=[warm])
+    assert plan_joins(candidate, busy, settings) == []

@@ -50,7 +50,11 @@ def test_questions_on_one_document_prefill_it_once(reuse_cluster, cluster, tiny_
     assert all(r.state == JobState.FINISHED for r in reused), [r.error for r in reused]
     cached = [r.result.cached_tokens for r in reused]
     assert cached[0] == 0 and all(c > 500 for c in cached[1:]), cached
-    assert all(f"job {reused[0].id}" in r.result.cache_source for r in reused[1:])
+    # from the first job's kept KV, or (continuous batching: the others join its group, in
+    # the order they were admitted) from the group's memory of another question's prompt
+    for later in reused[1:]:
+        source = later.result.cache_source
+        assert any(f"job {r.id}" in source for r in reused if r is not later), source
     assert all(r.placement.nodes == reused[0].placement.nodes for r in reused)
     plain = run_together(JobStore(connect(cluster.url)), specs)  # RINGQ_PREFIX_CACHE=off
     assert [r.result.cached_tokens for r in plain] == [0, 0, 0]

@@ -1,8 +1,14 @@
-"""A busy warm group takes more jobs while its batch has room (jobs/warm_groups.py `join`), and
-its ranks take them between decode steps, the same words on every rank (`joined`)."""
+"""A busy warm group takes more jobs while its batch has room and its nodes' memory allows
+(jobs/warm_groups.py `join`), its ranks take them between decode steps, the same words on every
+rank (`joined`), and a lost group retries every job of its batch (jobs/recovery.py)."""
 
 from jobs import keys
-from jobs.schemas import GroupSpec
+from jobs.lifecycle import JobState
+from jobs.recovery import reconcile, track_group
+from jobs.reservations import Reservations
+from jobs.schemas import GroupSpec, JobKind, JobSpec, Placement
+from jobs.settings import Settings
+from jobs.store import JobStore
 from jobs.warm_groups import WarmGroups, idle_key, next_key
 
 
@@ -24,11 +30,11 @@ def busy(warm: WarmGroups, group: GroupSpec) -> None:
 def test_a_busy_group_takes_jobs_up_to_the_limit(redis_conn):
     warm, group = WarmGroups(redis_conn), two_ranks()
     busy(warm, group)
-    assert warm.join(group, "second", max_batch=3)
-    assert warm.join(group, "third", max_batch=3)
-    assert not warm.join(group, "fourth", max_batch=3)  # full
+    assert warm.join(group, "second", max_batch=3) == "joined"
+    assert warm.join(group, "third", max_batch=3) == "joined"
+    assert warm.join(group, "fourth", max_batch=3) == "no"  # full
     warm.ended(group, "first")
-    assert warm.join(group, "fourth", max_batch=3)
+    assert warm.join(group, "fourth", max_batch=3) == "joined"
     assert warm.batch(group.group_id) == ["fourth", "second", "third"]
     for rank in (0, 1):
         words = redis_conn.lrange(next_key(group.group_id, rank), 0, -1)
@@ -38,29 +44,29 @@ def test_a_busy_group_takes_jobs_up_to_the_limit(redis_conn):
 def test_max_batch_one_never_joins_a_busy_group(redis_conn):
     warm, group = WarmGroups(redis_conn), two_ranks()
     busy(warm, group)
-    assert not warm.join(group, "second", max_batch=1)
+    assert warm.join(group, "second", max_batch=1) == "no"
 
 
 def test_idle_retired_and_unoffered_groups_are_not_joined(redis_conn):
     warm = WarmGroups(redis_conn)
     never_offered = two_ranks("g0")
     warm.started(never_offered, "first")
-    assert not warm.join(never_offered, "x", max_batch=8)
+    assert warm.join(never_offered, "x", max_batch=8) == "no"
     idle = two_ranks("g1")
     warm.offer(idle, 1000)
     redis_conn.set(idle_key(idle.group_id), "1")
-    assert not warm.join(idle, "x", max_batch=8)  # an idle group is claimed, not joined
+    assert warm.join(idle, "x", max_batch=8) == "no"  # an idle group is claimed, not joined
     assert warm.claim(idle, "x")
-    assert warm.join(idle, "y", max_batch=8)  # claimed: busy now
+    assert warm.join(idle, "y", max_batch=8) == "joined"  # claimed: busy now
     redis_conn.hdel(keys.WARM_GROUPS, idle.group_id)  # retired
-    assert not warm.join(idle, "z", max_batch=8)
+    assert warm.join(idle, "z", max_batch=8) == "no"
 
 
 def test_every_rank_takes_the_same_words(redis_conn):
     warm, group = WarmGroups(redis_conn), two_ranks()
     busy(warm, group)
     for job in ("a", "b"):
-        assert warm.join(group, job, max_batch=8)
+        assert warm.join(group, job, max_batch=8) == "joined"
     counts: list[int] = []
 
     def agree(count: int) -> int:  # rank 0's count reaches every rank (a collective in ranks)
@@ -70,3 +76,49 @@ def test_every_rank_takes_the_same_words(redis_conn):
     assert warm.joined(group, 0, agree) == ["a", "b"]
     assert warm.joined(group, 1, agree) == ["a", "b"]
     assert warm.joined(group, 0, lambda n: n) == []
+
+
+def test_joining_grows_the_reservation_or_is_refused_and_leaving_shrinks_it(redis_conn):
+    warm, group = WarmGroups(redis_conn), two_ranks()
+    busy(warm, group)
+    reservations = Reservations(redis_conn, lease_s=30)
+    base = {node: (1000, 5000) for node in group.nodes}
+    assert reservations.reserve(group.group_id, base) is None
+    assert reservations.reserve("other", {"n1": (2000, 5000)}) is None
+    budget = {node: 5000 for node in group.nodes}
+    assert warm.join(group, "a", 8, grow_bytes=1500, capacity_bytes=budget) == "joined"
+    assert reservations.held("n0")[group.group_id] == 2500
+    # n1: 2000 (other) + 2500 + 1500 > 5000
+    assert warm.join(group, "b", 8, grow_bytes=1500, capacity_bytes=budget) == "no-memory"
+    assert warm.batch(group.group_id) == ["a", "first"]
+    assert redis_conn.llen(next_key(group.group_id, 0)) == 1  # "b" was not handed over
+    warm.ended(group, "a")
+    assert all(reservations.held(n)[group.group_id] == 1000 for n in group.nodes)
+    reservations.release(group.group_id, "n0")  # the group is gone from n0: nothing to shrink
+    assert warm.join(group, "c", 8, grow_bytes=10, capacity_bytes=budget) == "no"
+
+
+def test_a_lost_group_retries_every_job_of_its_batch_once(redis_conn, short_tmp_path):
+    """The reconciler finds a group with a dead node: each live job of its batch is retried
+    once; the one that had finished is left alone; a second pass retries nothing."""
+    store, warm = JobStore(redis_conn), WarmGroups(redis_conn)
+    settings = Settings(home=short_tmp_path, redis_url=None, max_retries=2)
+    group = two_ranks()
+    spec = JobSpec(kind=JobKind.GENERATE, document="x", model="random:tiny-llama")
+    placement = Placement(
+        strategy="ring", ranks=2, nodes=group.nodes, group_id="g1", bytes_per_node=1
+    )
+    for job_id in ("first", "second", "done"):
+        store.create(job_id, spec)
+        store.transition(job_id, JobState.ADMITTED, placement=placement)
+        warm.started(group, job_id)
+    store.transition("done", JobState.FAILED, error="ended before the group was lost")
+    track_group(redis_conn, group)  # n0 and n1 never registered: dead nodes
+    assert reconcile(redis_conn, settings) == ["g1"]
+    for job_id in ("first", "second"):
+        record = store.get(job_id)
+        assert record.state == JobState.QUEUED and record.attempt == 1
+        assert "stopped answering" in record.retry_reasons[0]
+    assert store.get("done").state == JobState.FAILED
+    assert warm.batch("g1") == [] and reconcile(redis_conn, settings) == []
+    assert [store.get(j).attempt for j in ("first", "second")] == [1, 1]

@@ -1,0 +1,173 @@
+"""Continuous batching through the service (issue 14), side by side in one run: N generate jobs
+submitted together to a one-node local cluster with RINGQ_MAX_BATCH=B, then the same N with
+RINGQ_MAX_BATCH=1 (one job at a time).
+
+    uv run python -m bench.batch_service --model smollm2 --jobs 16 --max-tokens 64
+
+Both clusters run one group per node (RINGQ_NODE_MAX_GROUPS=1: "one at a time" is one group,
+not two sharing the cores), no prefix reuse (every prompt computed) and a warm group: one
+warm-up job loads the model before the N are submitted, so loading is not timed. Documents are
+distinct slices of the demo document of about --doc-tokens tokens, each job a different length.
+
+Per run: makespan (submit of the N -> the last one finished), end-to-end generated tok/s over
+the makespan, decode tok/s = generated tokens / the group's time not spent prefilling
+(makespan - the jobs' prefill_s summed: one group does one or the other, in both runs), per-job
+latency (submit -> finished) percentiles, and each job's batch_size. `decode_union_s` is the
+union of the jobs' [finished - decode_s, finished] (a batched job's decode_s counts from when
+it joined, through the prefills of the jobs joining after it). Writes
+bench/results/batch-service-<model>.json.
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from importlib.resources import files
+from pathlib import Path
+
+import click
+
+from jobs.lifecycle import JobState
+from jobs.redis_server import connect
+from jobs.schemas import JobKind, JobRecord, JobSpec
+from jobs.store import JobStore
+from jobs.submit import enqueue_jobs, new_job_id, submit_job
+from tests.helpers import private_cluster
+
+RESULTS = Path(__file__).parent / "results"
+CHARS_PER_TOKEN = 4  # about, for English text and SmolLM2's tokenizer
+
+
+def documents(count: int, tokens: int) -> list[str]:
+    text = " ".join(files("cli").joinpath("demo/document.md").read_text().split())
+    size = tokens * CHARS_PER_TOKEN
+    found = []
+    for i in range(count):
+        start = (i * 211) % max(len(text) - size, 1)
+        found.append(f"Document {i}. " + text[start : start + size - 8 * (i % 5)])
+    return found
+
+
+def spec(model: str, document: str, max_tokens: int) -> JobSpec:
+    return JobSpec(
+        kind=JobKind.GENERATE,
+        document=document,
+        model=model,
+        max_tokens=max_tokens,
+        prompt="Summarise the document.",
+        strategy="single",
+    )
+
+
+def wait_final(store: JobStore, job_id: str) -> JobRecord:
+    while not (record := store.get(job_id)).state.is_final:
+        time.sleep(0.05)
+    assert record.state == JobState.FINISHED, record.error
+    return record
+
+
+def run(model: str, docs: list[str], max_tokens: int, max_batch: int, port: int) -> dict:
+    env = {
+        "RINGQ_MAX_BATCH": str(max_batch),
+        "RINGQ_NODE_MAX_GROUPS": "1",
+        "RINGQ_PREFIX_CACHE": "off",
+        "RINGQ_GROUP_IDLE_S": "120",
+        "RINGQ_RANK_PORT_BASE": str(port),
+    }
+    with private_cluster(f"bsb{max_batch}", env, node_count=1) as cluster:
+        store = JobStore(connect(cluster.url))
+        wait_final(store, submit_job(store.conn, spec(model, "Warm up. " * 20, 4)).id)
+        submitted = time.time()
+        jobs = enqueue_jobs(store.conn, [(new_job_id(), spec(model, d, max_tokens)) for d in docs])
+        records = [wait_final(store, job.id) for job in jobs]
+    return summary(records, submitted, max_batch)
+
+
+def summary(records: list[JobRecord], submitted: float, max_batch: int) -> dict:
+    results = [r.result for r in records]
+    assert all(result is not None for result in results)
+    generated = sum(r.result.generated_tokens for r in records if r.result)
+    ends = [r.updated_at for r in records]
+    decoding = [(r.updated_at - r.result.decode_s, r.updated_at) for r in records if r.result]
+    latencies = sorted(end - submitted for end in ends)
+    makespan = max(ends) - submitted
+    prefill_s = sum(r.result.prefill_s for r in records if r.result)
+    return {
+        "max_batch": max_batch,
+        "jobs": len(records),
+        "generated_tokens": generated,
+        "makespan_s": makespan,
+        "end_to_end_tok_s": generated / makespan,
+        "decode_union_s": union_s(decoding),
+        "prefill_s_sum": prefill_s,
+        "group_decode_s": makespan - prefill_s,
+        "decode_tok_s": generated / (makespan - prefill_s),
+        "latency_s": {
+            "p50": statistics.median(latencies),
+            "p90": latencies[int(0.9 * (len(latencies) - 1))],
+            "max": latencies[-1],
+        },
+        "batch_sizes": [r.result.batch_size for r in records if r.result],
+        "texts": [r.result.text for r in records if r.result],
+    }
+
+
+def union_s(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def load_average() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+@click.command()
+@click.option("--model", default="smollm2", show_default=True)
+@click.option("--jobs", "count", default=16, show_default=True)
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--doc-tokens", default=500, show_default=True)
+@click.option("--max-batch", default=8, show_default=True)
+@click.option("--port-base", default=36500, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=None)
+def main(
+    model: str,
+    count: int,
+    max_tokens: int,
+    doc_tokens: int,
+    max_batch: int,
+    port_base: int,
+    out: Path | None,
+) -> None:
+    docs = documents(count, doc_tokens)
+    report: dict = {
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join(["python -m bench.batch_service", *sys.argv[1:]]),
+        "model": model,
+        "uptime_before": load_average(),
+    }
+    report["batched"] = run(model, docs, max_tokens, max_batch, port_base)
+    print(json.dumps({k: v for k, v in report["batched"].items() if k != "texts"}), flush=True)
+    report["one_at_a_time"] = run(model, docs, max_tokens, 1, port_base + 100)
+    print(json.dumps({k: v for k, v in report["one_at_a_time"].items() if k != "texts"}))
+    report["uptime_after"] = load_average()
+    batched, alone = report["batched"], report["one_at_a_time"]
+    report["ratio"] = {
+        "decode_tok_s": batched["decode_tok_s"] / alone["decode_tok_s"],
+        "makespan": alone["makespan_s"] / batched["makespan_s"],
+        "identical_texts": sum(
+            a == b for a, b in zip(batched["texts"], alone["texts"], strict=True)
+        ),
+    }
+    name = model.replace("/", "_").replace(":", "_")
+    path = out or RESULTS / f"batch-service-{name}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(json.dumps({"ratio": report["ratio"], "uptime": report["uptime_after"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Continuous batching in a warm group (issue 14): the serve loop of a group whose layout decodes
+in batches (single; ring with replicated KV) when RINGQ_MAX_BATCH > 1.
+
+- Each job is prefilled alone, as today (`prefill_job`, ring or single), then joins the
+  `BatchDecoder` (ring_worker/batch_decode.py) at the next step; a prefill job runs whole
+  (`run_job`).
+- Between two decode steps every rank takes the jobs the dispatcher handed to the busy group
+  (`JobIO.joined`: rank 0 pops them, one collective tells the others how many) and the ranks
+  vote, one collective per job, that each is placed on this group (a job cancelled before its
+  placement was written is skipped by all).
+- A sequence that leaves (its stop token or string, its max_tokens, its own cancel) has its
+  result written at once, with `batch_size` the most sequences it decoded with; its bytes come
+  off the group's reservation (`batch_ended`).
+- With nothing to decode and nothing handed over, the group waits for its next job as a warm
+  group does (`next_job`), and retires when idle.
+
+Every rank runs this loop in the same order on the same agreed words and votes, so every rank
+adds and drops the same rows at the same steps. An error other than a job's own cancel ends the
+group: the reconciler retries every job of its batch (jobs/recovery.py)."""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+
+from jobs.lifecycle import JobState
+from jobs.schemas import JobKind
+from jobs.tokenizer import ChatTokenizer
+from ring_worker.batch_decode import BatchDecoder, DecodeRequest, SequenceResult
+from ring_worker.decode_text import partial_result
+from ring_worker.engine import Cancelled, DecodeResult, Engine
+from ring_worker.job_io import JobIO
+from ring_worker.job_report import enter
+from ring_worker.prefix_reuse import RankPrefixCache
+from ring_worker.rank_main import (
+    Prefilled,
+    RankContext,
+    finished_result,
+    keep_prefix,
+    prefill_job,
+    run_job,
+)
+from ring_worker.text_stream import DecodeText
+from ring_worker.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
+NextJob = Callable[[JobIO], JobIO | None]  # the warm group's wait for its next job
+
+
+@dataclass(frozen=True)
+class _Member:
+    """A job decoding in the batch: what its result needs (its prefill without the KV)."""
+
+    io: JobIO
+    job: Prefilled
+    load_s: float
+    text: DecodeText  # its stop strings, and (lead rank) its text streamed as it decodes
+
+
+class BatchServer:
+    def __init__(
+        self,
+        ctx: RankContext,
+        engine: Engine,
+        tokenizer: ChatTokenizer,
+        watchdog: Watchdog,
+        prefix: RankPrefixCache | None,
+        max_batch: int,
+    ):
+        self.ctx, self.engine, self.tokenizer = ctx, engine, tokenizer
+        self.watchdog, self.prefix, self.max_batch = watchdog, prefix, max_batch
+        # rows grow as jobs join (doubling), not reserved for max_batch up front: the group's
+        # reservation grows by each joining job's KV, not by max_batch rows (32 on CUDA)
+        self.decoder = BatchDecoder(engine)
+        self.members: dict[str, _Member] = {}
+
+    def run(self, first: JobIO, load_s: float, next_job: NextJob) -> None:
+        """Serve `first`, every job that joins while the group decodes, and the warm group's
+        next jobs, until it retires."""
+        pending, last = [first], first
+        while True:
+            for io in pending:
+                self.start(io, load_s)
+                load_s, last = 0.0, io
+            if self.decoder.busy:
+                self.step()
+                pending = self.take_joined(last)
+                continue
+            following = next_job(last)
+            if following is None:
+                return
+            pending = [following]
+
+    def start(self, io: JobIO, load_s: float) -> None:
+        """Prefill the job alone; a generate job then joins the batch at the next step."""
+        lead, group = self.ctx.lead, self.ctx.group
+        if lead:
+            io.batch_started(group)
+        try:
+            if io.spec().kind != JobKind.GENERATE:
+                run_job(
+                    self.engine, self.tokenizer, self.ctx, io, self.watchdog, load_s, self.prefix
+                )
+                self.leave(io)
+                return
+            job = prefill_job(self.engine, self.ctx, io, self.watchdog, self.prefix)
+        except Cancelled as exc:  # every rank stops this job's prefill together
+            log.info("job %s rank %d: cancelled, %s", io.job_id, self.ctx.rank, exc)
+            if lead:
+                io.cancelled(f"cancelled: {exc}")
+            self.leave(io)
+            return
+        enter(io, lead, self.watchdog, JobState.DECODE, len(job.tokens))
+        text = DecodeText(io, self.tokenizer, job.spec.stop, lead)
+        self.decoder.add(self.request(io, job, text), job.prefill)
+        keep_prefix(self.engine, self.prefix, io, job)  # the batch holds its own copy now
+        kept = replace(job, prefill=replace(job.prefill, cache=[], logits=mx.zeros((1,))))
+        self.members[io.job_id] = _Member(io, kept, load_s, text)
+
+    def request(self, io: JobIO, job: Prefilled, text: DecodeText) -> DecodeRequest:
+        spec = job.spec
+        return DecodeRequest(
+            key=io.job_id,
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            stop_ids=frozenset(self.tokenizer.eos_token_ids),
+            seed=spec.seed or 0,
+            on_progress=job.report,
+            should_stop=io.should_stop,
+            stop_when=text.stop_when,
+        )
+
+    def step(self) -> None:
+        for result in self.decoder.step():
+            self.finish(result)
+
+    def finish(self, result: SequenceResult) -> None:
+        """A sequence left the batch: its result (or its cancel, with what it generated)."""
+        member = self.members.pop(result.key)
+        io, job = member.io, member.job
+        self.watchdog.kick("finishing")
+        peaks = self.engine.gather_ints(mx.get_peak_memory())  # every rank, same order
+        if self.ctx.lead and result.cancelled is not None:
+            prompt_tokens, stops = len(job.tokens), job.spec.stop
+            partial = partial_result(self.tokenizer, result.tokens, prompt_tokens, stops)
+            io.cancelled(f"cancelled: {result.cancelled}", partial)
+        elif self.ctx.lead:
+            member.text.close(result.tokens)  # the rest of its streamed text
+            decoded = DecodeResult(result.tokens, result.seconds)
+            batch_size = result.max_batch_size
+            io.finish(
+                finished_result(self.tokenizer, job, member.load_s, decoded, peaks, batch_size)
+            )
+        self.leave(io)
+        what = "cancelled" if result.cancelled else "done"
+        log.info("job %s rank %d: %s", io.job_id, self.ctx.rank, what)
+
+    def leave(self, io: JobIO) -> None:
+        if self.ctx.lead:
+            io.batch_ended(self.ctx.group)
+
+    def take_joined(self, last: JobIO) -> list[JobIO]:
+        """The jobs handed to the group since the last step that every rank finds placed on
+        it (the others are skipped by all)."""
+        if len(self.members) >= self.max_batch:
+            return []  # full: the dispatcher hands over nothing more (same count on every rank)
+        ctx = self.ctx
+        joined = last.joined(ctx.group, ctx.rank, lambda count: self.engine.gather_ints(count)[0])
+        ready = []
+        for io in joined:
+            self.watchdog.kick("joining")
+            if all(self.engine.gather_ints(int(io.await_placement()))):
+                if ctx.lead:
+                    io.enter(JobState.LOADING, len(io.tokens()))  # already loaded: straight on
+                ready.append(io)
+                continue
+            log.info("group %s rank %d: job %s is not ours, skipped", ctx.group.group_id,
+                     ctx.rank, io.job_id)  # fmt: skip
+            self.leave(io)
+        return ready
