@@ -25,6 +25,10 @@ def job_cancel(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:cancel"  # set when cancel is asked; the job's ranks poll it
 
 
+def job_checkpoints(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:checkpoints"  # hash: rank -> JSON CheckpointMark (its node)
+
+
 def batch(batch_id: str) -> str:
     return f"{PREFIX}:batch:{batch_id}"  # JSON BatchRecord: its jobs in input order
 

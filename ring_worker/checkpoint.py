@@ -113,12 +113,17 @@ class Checkpointer:
         rank: int,
         every_tokens: int,
         budget_bytes: int,
+        on_change: Callable[[int], None] | None = None,
     ):
+        """`on_change(tokens)`: called (from the writer thread) once a checkpoint after `tokens`
+        prompt tokens is on disk, and with 0 once it is deleted; the service records there
+        which node holds the part (jobs/checkpoint_marks.py)."""
         if every_tokens <= 0:
             raise ValueError(f"every_tokens must be positive, got {every_tokens}")
         self.path = checkpoint_path(home, job_id, layout, rank)
         self.home, self.job_id, self.rank = home, job_id, rank
         self.every_tokens, self.budget_bytes = every_tokens, budget_bytes
+        self.on_change = on_change
         self.saved_tokens = 0
         self.skipped = 0  # checkpoints not written: over the disk budget
         self._queue: queue.Queue[tuple[list[KVCache], int, dict[str, str]] | None] = queue.Queue(1)
@@ -165,17 +170,32 @@ class Checkpointer:
         save_prompt_cache(str(partial), caches, metadata=metadata)
         os.replace(partial, self.path)
         log.info("job %s rank %d: checkpoint at %d tokens", self.job_id, self.rank, tokens)
+        self.report(tokens)
+
+    def report(self, tokens: int) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(tokens)
+        except Exception:  # e.g. Redis restarting: a retry may then start over, nothing worse
+            log.exception("job %s rank %d: checkpoint not recorded", self.job_id, self.rank)
 
 
 def open_checkpoints(
-    home: Path, every_tokens: int, budget_bytes: int, job_id: str, layout: str, rank: int
+    home: Path,
+    every_tokens: int,
+    budget_bytes: int,
+    job_id: str,
+    layout: str,
+    rank: int,
+    on_change: Callable[[int], None] | None = None,
 ) -> tuple[Checkpointer | None, Resume | None]:
     """For one rank's prefill: a Checkpointer (None when `every_tokens` is 0) and this rank's
     checkpoint of the job in this layout, if it has one. Every rank must then agree on it
     (`agree_on_resume`): a rank whose part is missing makes all of them start from 0."""
     if every_tokens <= 0:
         return None, None
-    saver = Checkpointer(home, job_id, layout, rank, every_tokens, budget_bytes)
+    saver = Checkpointer(home, job_id, layout, rank, every_tokens, budget_bytes, on_change)
     return saver, read_checkpoint(home, job_id, layout, rank)
 
 
@@ -196,11 +216,14 @@ def start_checkpoints(
     gather: Callable[[int], list[int]],
     chunk_tokens: int,
     total_tokens: int,
+    on_change: Callable[[int], None] | None = None,
 ) -> tuple[Checkpointer | None, Resume | None]:
     """What one rank's prefill needs: a Checkpointer (None when off) and the checkpoint all
     ranks agree to continue from (None: from the start; also when it is not on a boundary of
     this run's chunks). Call on every rank of the group."""
-    saver, mine = open_checkpoints(home, every_tokens, budget_bytes, job_id, layout, rank)
+    saver, mine = open_checkpoints(
+        home, every_tokens, budget_bytes, job_id, layout, rank, on_change
+    )
     if saver is None:
         return None, None
     if mine is not None and (mine.tokens % chunk_tokens or mine.tokens >= total_tokens):
@@ -222,5 +245,7 @@ def end_checkpoints(saver: Checkpointer | None, keep: bool) -> None:
     saver.close()
     if not keep:
         saver.path.unlink(missing_ok=True)
+        if saver.saved_tokens:
+            saver.report(0)
         with contextlib.suppress(OSError):  # another rank's part may still be there
             saver.path.parent.rmdir()

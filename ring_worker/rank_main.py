@@ -150,6 +150,7 @@ def checkpointed_prefill(
             engine.gather_ints,
             io.chunk_tokens(),
             len(tokens),
+            on_change=partial(io.checkpointed, group, ctx.rank),
         )
     try:
         prefill = engine.prefill(
