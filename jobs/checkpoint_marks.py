@@ -80,14 +80,18 @@ def read_marks(conn: redis.Redis, job_id: str) -> dict[int, CheckpointMark]:
 
 def checkpoint_hint(marks: dict[int, CheckpointMark]) -> CheckpointHint | None:
     """The complete checkpoint the marks describe, or None (a part missing, or parts of
-    different layouts or positions: the ranks would start from 0 anyway)."""
+    different layouts: the ranks would start from 0 anyway). Its tokens: the fewest any rank
+    holds, where the ranks continue from (a rank's writer may lag a segment behind)."""
     if not marks:
         return None
     first = marks[min(marks)]
-    layout = (first.strategy, first.kv_layout, first.ranks, first.tokens)
-    if set(marks) != set(range(first.ranks)) or first.tokens <= 0:
+    layout = (first.strategy, first.kv_layout, first.ranks)
+    if set(marks) != set(range(first.ranks)):
         return None
-    if any((m.strategy, m.kv_layout, m.ranks, m.tokens) != layout for m in marks.values()):
+    if any((m.strategy, m.kv_layout, m.ranks) != layout for m in marks.values()):
+        return None
+    tokens = min(m.tokens for m in marks.values())
+    if tokens <= 0:
         return None
     nodes = tuple(marks[rank].node for rank in range(first.ranks))
-    return CheckpointHint(first.strategy, first.kv_layout, nodes, first.tokens)
+    return CheckpointHint(first.strategy, first.kv_layout, nodes, tokens)

@@ -44,7 +44,6 @@ def test_marks_of_every_rank_make_a_hint_in_rank_order(redis_conn):
     [
         {},
         {0: part(0)},  # rank 1 has written nothing yet
-        {0: part(0, 512), 1: part(1, 448)},  # the ranks are at different positions
         {0: part(0), 1: part(1).model_copy(update={"strategy": "pipeline"})},
         {0: part(0, 0), 1: part(1, 0)},
     ],
@@ -58,3 +57,9 @@ def test_a_mark_that_does_not_parse_is_ignored(redis_conn):
     redis_conn.hset(keys.job_checkpoints("j"), "1", "{not json")
     redis_conn.hset(keys.job_checkpoints("j"), "x", part(1).model_dump_json())
     assert list(read_marks(redis_conn, "j")) == [0]
+
+
+def test_ranks_at_different_positions_continue_from_the_lesser():
+    """A rank's writer may lag a segment behind: the ranks then resume where both parts reach."""
+    hint = checkpoint_hint({0: part(0, 512), 1: part(1, 448)})
+    assert hint is not None and hint.tokens == 448
