@@ -162,15 +162,18 @@ class Checkpointer:
         every_tokens: int,
         budget_bytes: int,
         on_change: Callable[[int], None] | None = None,
+        skip_while_busy: bool = False,
     ):
         """`on_change(tokens)`: called (from the writer thread) once the checkpoint reaches
         `tokens` prompt tokens on disk, and with 0 once it is deleted; the service records there
-        which node holds the part (jobs/checkpoint_marks.py)."""
+        which node holds the part (jobs/checkpoint_marks.py). `skip_while_busy`: no checkpoint
+        is due while one segment waits behind the one being written, so the prefill never waits
+        for the disk (the next segment then covers more tokens)."""
         if every_tokens <= 0:
             raise ValueError(f"every_tokens must be positive, got {every_tokens}")
         self.home, self.job_id, self.layout, self.rank = home, job_id, layout, rank
         self.every_tokens, self.budget_bytes = every_tokens, budget_bytes
-        self.on_change = on_change
+        self.on_change, self.skip_while_busy = on_change, skip_while_busy
         self.saved_tokens = 0  # prompt tokens handed to the writer so far
         self.saved_offset = 0  # this rank's cache length then (a ring rank holds a share)
         self.skipped = 0  # segments not written: over the disk budget (or after one that was)
@@ -179,6 +182,8 @@ class Checkpointer:
         self._writer.start()
 
     def due(self, done_tokens: int) -> bool:
+        if self.skip_while_busy and self._queue.full():
+            return False
         return done_tokens // self.every_tokens > self.saved_tokens // self.every_tokens
 
     def continue_from(self, resume: Resume) -> None:
@@ -267,7 +272,9 @@ def start_checkpoints(
     boundary of this run's chunks (None: from the start). Call on every rank of the group."""
     if every_tokens <= 0:
         return None, None
-    saver = Checkpointer(home, job_id, layout, rank, every_tokens, budget_bytes, on_change)
+    saver = Checkpointer(
+        home, job_id, layout, rank, every_tokens, budget_bytes, on_change, skip_while_busy=True
+    )
     reach = resumable_tokens(home, job_id, layout, rank, chunk_tokens, total_tokens)
     common = min(gather(reach))  # a rank's writer may have lagged one segment behind
     mine = read_checkpoint(home, job_id, layout, rank, common) if common > 0 else None

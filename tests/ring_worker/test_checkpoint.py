@@ -4,6 +4,7 @@ uninterrupted run's logits and greedy tokens (float32, CPU): on one device in-pr
 real 2-rank ring."""
 
 import json
+import threading
 
 import mlx.core as mx
 import pytest
@@ -77,6 +78,31 @@ def test_each_checkpoint_writes_what_was_added_and_the_chain_reads_back(short_tm
     assert earlier.state == {"ring_position": "64"}
     assert saved_tokens(short_tmp_path, "j", "ring-2", 2) == 0  # rank 0 has none
     assert read_checkpoint(short_tmp_path, "j", "ring-2", 0) is None
+
+
+def test_no_checkpoint_is_due_while_the_writer_is_a_segment_behind(short_tmp_path):
+    """The service's prefill never waits for the disk: with one segment being written (its
+    writer held here in on_change) and one queued, the next boundary is passed over."""
+    writing, release = threading.Event(), threading.Event()
+
+    def hold(tokens: int) -> None:
+        writing.set()
+        release.wait(30)
+
+    saver = Checkpointer(short_tmp_path, "j", "single-1", 0, 64, 1 << 30, hold, True)
+    cache = filled_cache(64)
+    saver.save(cache, 64, {})
+    assert writing.wait(30)
+    grow(cache, 64)
+    assert saver.due(128)
+    saver.save(cache, 128, {})
+    grow(cache, 64)
+    assert not saver.due(192)  # skipped: the segment after 128 will start there
+    release.set()
+    saver.close()
+    assert saver.due(192)
+    resume = read_checkpoint(short_tmp_path, "j", "single-1", 0)
+    assert resume is not None and resume.tokens == 128
 
 
 def test_checkpoints_over_the_disk_budget_are_skipped(short_tmp_path):
