@@ -87,7 +87,6 @@ def run_pair(model: str, document: str, every_tokens: int, kill_share: float) ->
             "retry_placement": end.placement.reason if end.placement else None,
             "retry_prefill_s": end.result.prefill_s,
             "retry_kill_to_finished_s": end.updated_at - killed_at,
-            "texts_equal": end.result.text == whole.result.text,
         }
 
 
