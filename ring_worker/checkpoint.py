@@ -167,8 +167,8 @@ class Checkpointer:
         """`on_change(tokens)`: called (from the writer thread) once the checkpoint reaches
         `tokens` prompt tokens on disk, and with 0 once it is deleted; the service records there
         which node holds the part (jobs/checkpoint_marks.py). `skip_while_busy`: no checkpoint
-        is due while one segment waits behind the one being written, so the prefill never waits
-        for the disk (the next segment then covers more tokens)."""
+        is due while the writer still writes the last one, so the prefill never waits for the
+        disk and at most one segment's copy is held (the next segment covers more tokens)."""
         if every_tokens <= 0:
             raise ValueError(f"every_tokens must be positive, got {every_tokens}")
         self.home, self.job_id, self.layout, self.rank = home, job_id, layout, rank
@@ -178,11 +178,12 @@ class Checkpointer:
         self.saved_offset = 0  # this rank's cache length then (a ring rank holds a share)
         self.skipped = 0  # segments not written: over the disk budget (or after one that was)
         self._queue: queue.Queue[_Segment | None] = queue.Queue(1)
+        self._writing = False
         self._writer = threading.Thread(target=self._write_forever, daemon=True, name="checkpoint")
         self._writer.start()
 
     def due(self, done_tokens: int) -> bool:
-        if self.skip_while_busy and self._queue.full():
+        if self.skip_while_busy and (self._writing or not self._queue.empty()):
             return False
         return done_tokens // self.every_tokens > self.saved_tokens // self.every_tokens
 
@@ -215,11 +216,14 @@ class Checkpointer:
 
     def _write_forever(self) -> None:
         while (segment := self._queue.get()) is not None:
+            self._writing = True
             try:
                 self._write(segment)
             except Exception:  # a full disk or a bad cache must not fail (or hang) the prefill
                 self.skipped += 1
                 log.exception("job %s rank %d: checkpoint not written", self.job_id, self.rank)
+            finally:
+                self._writing = False
 
     def _write(self, segment: _Segment) -> None:
         size = sum(c.keys.nbytes + c.values.nbytes for c in segment.caches)

@@ -25,6 +25,7 @@ from ring_worker.checkpoint import (
 from ring_worker.engine import Engine
 from ring_worker.group import free_loopback_ports
 from ring_worker.processes import rank_environment, spawn_rank, wait_all
+from tests.helpers import wait_for
 from tests.ring_worker.checkpoint_rank import run
 from tests.ring_worker.tiny import load_tiny, save_tiny
 
@@ -80,9 +81,10 @@ def test_each_checkpoint_writes_what_was_added_and_the_chain_reads_back(short_tm
     assert read_checkpoint(short_tmp_path, "j", "ring-2", 0) is None
 
 
-def test_no_checkpoint_is_due_while_the_writer_is_a_segment_behind(short_tmp_path):
-    """The service's prefill never waits for the disk: with one segment being written (its
-    writer held here in on_change) and one queued, the next boundary is passed over."""
+def test_no_checkpoint_is_due_while_the_writer_is_busy(short_tmp_path):
+    """The service's prefill never waits for the disk: while a segment is being written (its
+    writer held here in on_change), boundaries are passed over; the next segment starts where
+    the last one ended."""
     writing, release = threading.Event(), threading.Event()
 
     def hold(tokens: int) -> None:
@@ -94,15 +96,18 @@ def test_no_checkpoint_is_due_while_the_writer_is_a_segment_behind(short_tmp_pat
     saver.save(cache, 64, {})
     assert writing.wait(30)
     grow(cache, 64)
-    assert saver.due(128)
-    saver.save(cache, 128, {})
+    assert not saver.due(128)  # skipped: still writing the first
     grow(cache, 64)
-    assert not saver.due(192)  # skipped: the segment after 128 will start there
     release.set()
+    wait_for(lambda: saver.due(192), "the writer to be idle", 30)
+    saver.save(cache, 192, {})
     saver.close()
-    assert saver.due(192)
+    assert sorted(p.name for p in checkpoint_dir(short_tmp_path, "j").iterdir()) == [
+        "single-1-rank0-0-64.safetensors",
+        "single-1-rank0-64-192.safetensors",
+    ]
     resume = read_checkpoint(short_tmp_path, "j", "single-1", 0)
-    assert resume is not None and resume.tokens == 128
+    assert resume is not None and resume.tokens == 192 and resume.cache[0].offset == 192
 
 
 def test_checkpoints_over_the_disk_budget_are_skipped(short_tmp_path):
