@@ -96,9 +96,8 @@ class Settings(BaseSettings):
         ge=0,
         description="Each rank saves the prefill KV added since its last checkpoint every this "
         "many prompt tokens (at a chunk boundary; GPU chunks are larger, so there every chunk) "
-        "under RINGQ_HOME/checkpoints, so a retried job continues from there; 0: off. Costs "
-        "0.1-0.2 % of a CPU prefill (bench/checkpoint_cost.py); the prefill never waits for the "
-        "disk.",
+        "under RINGQ_HOME/checkpoints, so a retried job continues from there; 0: off. The "
+        "prefill never waits for the disk (bench/results/README.md, 'Checkpoint cost').",
     )
     checkpoint_budget_bytes: int = Field(
         default=16 * 1024**3,
