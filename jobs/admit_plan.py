@@ -9,6 +9,7 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
 - otherwise a long prompt takes as many nodes as fit (fastest prefill: a lone 128K job rings).
 - a retry whose checkpoint's nodes are all live goes back to them, in the checkpoint's layout
   and rank order, to continue from it (a checkpoint outranks "fewest nodes"); else anywhere.
+  Not after a multi-node group stalled: that may have been a cut link between those nodes.
 - a kept prefix (automatic prefix reuse, jobs/prefix_cache.py "Placement"): the job waits for an
   in-flight prefill of the same prefix, prefers the nodes that keep it, and only the tokens left
   to compute count against RINGQ_RING_MIN_TOKENS.
@@ -112,6 +113,9 @@ def plan_resume(
     live = {node.name: node for node in cluster.nodes}
     if hint is None or not job.record.attempt or not set(hint.nodes) <= set(live):
         return None
+    reasons = job.record.retry_reasons
+    if len(hint.nodes) > 1 and reasons and "stalled" in reasons[-1]:
+        return None  # a stalled group may have been a cut link between these very nodes
     request = replace(
         request,
         ring_size=len(hint.nodes),

@@ -167,8 +167,8 @@ def test_a_job_waits_for_an_in_flight_prefill_of_its_prefix():
     assert isinstance(wait, Wait) and "waiting for job first" in wait.reason
 
 
-def retried(planned: Job, checkpoint: CheckpointHint | None) -> Job:
-    record = planned.record.model_copy(update={"attempt": 1})
+def retried(planned: Job, checkpoint: CheckpointHint | None, why: str = "rank 1 was killed") -> Job:
+    record = planned.record.model_copy(update={"attempt": 1, "retry_reasons": [why]})
     return Job(record, planned.tokens, planned.shape, planned.model_dtype, checkpoint=checkpoint)
 
 
@@ -207,3 +207,10 @@ def test_a_retry_reuses_an_idle_group_only_where_its_checkpoint_parts_lie():
     cluster = Cluster(GPUS, held, [(same, 30 * GIB)])
     place = plan_admission(retried(job(131072), RING_ON_G1_G0), cluster, SETTINGS)
     assert isinstance(place, Place) and place.reuse == same
+
+
+def test_a_retry_after_a_stalled_ring_takes_the_fewest_nodes_despite_its_checkpoint():
+    """A stall may be a cut link between the checkpoint's nodes: going back would stall again."""
+    stalled = retried(job(131072), RING_ON_G1_G0, "rank 0 on node g1: stalled for 300 s")
+    place = plan_admission(stalled, Cluster(GPUS, {}, []), SETTINGS)
+    assert isinstance(place, Place) and place.plan.layout.strategy == "single"
