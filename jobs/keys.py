@@ -29,6 +29,10 @@ def job_checkpoints(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:checkpoints"  # hash: rank -> JSON CheckpointMark (its node)
 
 
+def job_text(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:text"  # stream: generated text deltas (jobs/job_text.py)
+
+
 def batch(batch_id: str) -> str:
     return f"{PREFIX}:batch:{batch_id}"  # JSON BatchRecord: its jobs in input order
 

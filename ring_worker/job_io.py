@@ -12,6 +12,7 @@ from admission.group_plan import CPU_CHUNK_TOKENS
 from jobs.cancel import cancel_requested, mark_cancelled
 from jobs.checkpoint_marks import clear_checkpoint, mark_checkpoint, mark_for
 from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundError
+from jobs.job_text import TextDelta, append_text, end_text, expire_at_job
 from jobs.lifecycle import JobState
 from jobs.recovery import report_group_failure
 from jobs.schemas import GroupSpec, JobResult, JobSpec, Progress
@@ -38,6 +39,7 @@ class JobIO(Protocol):
     def await_placement(self) -> bool: ...
     def enter(self, phase: JobState, total: int) -> None: ...
     def progress(self, progress: Progress) -> None: ...
+    def text(self, delta: str) -> None: ...
     def finish(self, result: JobResult) -> None: ...
     def fail(self, reason: str, retry: bool = True) -> None: ...
     def should_stop(self) -> bool: ...
@@ -56,6 +58,8 @@ class RedisJobIO:
         self.group_id = group_id
         self._stop = False
         self._polled_at_s = -math.inf
+        self._text_chars = 0  # of generated text appended to the job's text stream
+        self._text_expire_at_ms: int | None = None
 
     def spec(self) -> JobSpec:
         return self.store.get(self.job_id).spec
@@ -112,6 +116,17 @@ class RedisJobIO:
     def progress(self, progress: Progress) -> None:
         self.store.set_progress(self.job_id, progress, group_id=self.group_id)
 
+    def text(self, delta: str) -> None:
+        """Append generated text to the job's text stream (jobs/job_text.py), which expires
+        when the job's record does."""
+        if self._text_expire_at_ms is None:
+            self._text_expire_at_ms = expire_at_job(
+                self.store.conn, self.job_id, self.store.job_ttl_s
+            )
+        entry = TextDelta(group=self.group_id, offset=self._text_chars, text=delta)
+        append_text(self.store.conn, self.job_id, entry, self._text_expire_at_ms)
+        self._text_chars += len(delta)
+
     def finish(self, result: JobResult) -> None:
         last = self.store.get(self.job_id).progress
         # a generate job ends with its generated count (the last decode step may not have been
@@ -121,6 +136,7 @@ class RedisJobIO:
         self.store.transition(
             self.job_id, JobState.FINISHED, group_id=self.group_id, result=result, progress=done
         )
+        end_text(self.store.conn, self.job_id)
 
     def fail(self, reason: str, retry: bool = True) -> None:
         report_group_failure(self.store.conn, self.group_id, reason, retry)
@@ -135,6 +151,7 @@ class RedisJobIO:
 
     def cancelled(self, reason: str, partial: JobResult | None = None) -> None:
         mark_cancelled(self.store, self.job_id, reason, partial)
+        end_text(self.store.conn, self.job_id)
 
     def checkpointed(self, group: GroupSpec, rank: int, tokens: int) -> None:
         """Record where this rank's checkpoint part is (0 tokens: it was deleted), so that a
@@ -182,6 +199,9 @@ class FileJobIO:
 
     def progress(self, progress: Progress) -> None:
         self._write("progress", progress.model_dump(mode="json"))
+
+    def text(self, delta: str) -> None:
+        self._write("text", delta)
 
     def finish(self, result: JobResult) -> None:
         self._write("result", result.model_dump(mode="json"))

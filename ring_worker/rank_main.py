@@ -23,7 +23,7 @@ from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, Progress
 from jobs.settings import Settings
 from jobs.tokenizer import ChatTokenizer, load_tokenizer
 from ring_worker.checkpoint import end_checkpoints, start_checkpoints
-from ring_worker.decode_text import cut_at_stop, partial_result, stop_check
+from ring_worker.decode_text import cut_at_stop, partial_result
 from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
 from ring_worker.group import join_group
@@ -34,6 +34,7 @@ from ring_worker.pipeline import keep_stage
 from ring_worker.prefix_reuse import RankPrefixCache, describe_source
 from ring_worker.processes import exit_with_parent
 from ring_worker.strategies import make_engine
+from ring_worker.text_stream import DecodeText
 from ring_worker.watchdog import Watchdog, loading_timeout_s
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ def run_job(
     decoded = DecodeResult([], 0.0)
     if spec.kind == JobKind.GENERATE:
         enter(io, lead, watchdog, JobState.DECODE, len(tokens))
+        text = DecodeText(io, tokenizer, spec.stop, lead)  # stop strings; the lead streams text
         decoded = engine.decode(
             prefill,
             spec.max_tokens,
@@ -109,8 +111,9 @@ def run_job(
             seed=spec.seed or 0,
             on_progress=report,
             should_stop=io.should_stop,
-            stop_when=stop_check(tokenizer, spec.stop),
+            stop_when=text.stop_when,
         )
+        text.close(decoded.tokens)
     watchdog.kick("finishing")
     peaks = engine.gather_ints(mx.get_peak_memory())
     if spec.keep_cache:  # a pinned cache is ready when its job is: --cache-from may follow at once

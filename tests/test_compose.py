@@ -33,8 +33,9 @@ def options_used(args: list[str]) -> list[str]:
 
 def test_services_and_profiles(compose):
     services = compose["services"]
-    assert set(services) == RINGQ_SERVICES | {"redis", "rq-dashboard"}
+    assert set(services) == RINGQ_SERVICES | {"redis", "rq-dashboard", "serve"}
     assert services["rq-dashboard"]["profiles"] == ["dashboard"]
+    assert services["serve"]["profiles"] == ["api"]
     assert all("profiles" not in services[name] for name in RINGQ_SERVICES | {"redis"})
 
 
@@ -48,7 +49,7 @@ def test_redis_is_durable(compose):
     assert volume[1] == "/data" and volume[0] in compose["volumes"]  # a named volume
 
 
-@pytest.mark.parametrize("name", sorted(RINGQ_SERVICES))
+@pytest.mark.parametrize("name", sorted(RINGQ_SERVICES | {"serve"}))
 def test_ringq_commands_exist(compose, name):
     service = compose["services"][name]
     assert service["build"]["target"] == "ringq"
@@ -61,6 +62,23 @@ def test_ringq_commands_exist(compose, name):
     if subcommand == "node":  # reachable by the other nodes under its service name
         assert args[args.index("--address") + 1] == name
         assert args[args.index("--name") + 1] == name
+
+
+def test_serve_is_published_and_needs_api_keys(compose):
+    """`ringq serve` binds every address of its container, as its published port needs; it
+    refuses that without RINGQ_API_KEYS, which the service passes on from the host."""
+    from cli.http.auth import check_bind
+
+    service = compose["services"]["serve"]
+    args = service["command"][1:]
+    host, port = args[args.index("--host") + 1], args[args.index("--port") + 1]
+    assert host == "0.0.0.0"
+    assert service["ports"] == [f"127.0.0.1:{port}:{port}"]
+    assert service["environment"]["RINGQ_API_KEYS"] == "${RINGQ_API_KEYS:-}"
+    assert service["environment"]["RINGQ_REDIS_URL"] == "redis://redis:6379/0"  # merged env
+    with pytest.raises(ValueError, match="RINGQ_API_KEYS"):
+        check_bind(host, [])
+    check_bind(host, ["a-key"])
 
 
 @pytest.mark.parametrize("name", ["node-0", "node-1"])

@@ -3,17 +3,11 @@
 A chat completion is one generate job: the messages are flattened the way batch lines are
 (jobs/batch_input.py: the last user message is the question, the ones before it the document),
 the job is submitted, and the answer comes when it finishes. With `stream: true` the answer is
-server-sent events as OpenAI sends them: a first chunk with the role, SSE comments with the job's
-phase and token count while it runs (clients ignore comments; they keep proxies from closing an
-idle connection), the text in chunks, a last chunk with finish_reason, then `data: [DONE]`.
-A caller that goes away cancels its job."""
+server-sent events with the text as it is decoded (cli/http/chat_stream.py). A caller that goes
+away cancels its job."""
 
 import asyncio
 import json
-import re
-import time
-from collections.abc import AsyncIterator
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +15,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from cli.http.chat_result import cancel_quietly, completion, raise_unless_finished
+from cli.http.chat_stream import stream_completion
 from cli.http.deps import Config, Conn
 from cli.http.errors import ApiError, error_body
 from cli.http.job_views import JobView, check_served_model, read_view, served_models
-from jobs.batch import output_line
 from jobs.batch_input import CHAT_COMPLETIONS_URL, Defaults, parse_batch_lines
-from jobs.cancel import cancel_job
-from jobs.errors import RingqError
-from jobs.lifecycle import JobState
 from jobs.model_catalog import resolve_model
-from jobs.schemas import BatchEntry, JobKind
+from jobs.schemas import BatchEntry
 from jobs.settings import Settings
 from jobs.submit import submit_job
 
 router = APIRouter(prefix="/v1")
 POLL_S = 0.1
-KEEPALIVE_S = 5.0
 DEFAULT_MAX_TOKENS = 256
-_PIECES = re.compile(r"\s*\S+|\s+")  # words with the spaces before them
 
 
 @router.get("/models")
@@ -60,13 +50,13 @@ async def chat_completions(request: Request, conn: Conn, settings: Config) -> An
     options = body.pop("stream_options", None) or {}
     entry = await run_in_threadpool(_submit, conn, settings, body)
     if stream:
-        events = _stream(conn, entry, bool(options.get("include_usage")))
+        events = stream_completion(conn, entry, bool(options.get("include_usage")))
         return StreamingResponse(events, media_type="text/event-stream", headers=_job_header(entry))
     view = await _wait(request, conn, entry.job_id)
     if view is None:  # the caller went away; its job was cancelled
         return JSONResponse(error_body("client closed the request", "invalid_request_error"), 499)
-    _raise_unless_finished(view)
-    return JSONResponse(_completion(entry, view), headers=_job_header(entry))
+    raise_unless_finished(view)
+    return JSONResponse(completion(entry, view), headers=_job_header(entry))
 
 
 def _submit(conn: Conn, settings: Settings, body: dict[str, Any]) -> BatchEntry:
@@ -105,94 +95,9 @@ async def _wait(request: Request, conn: Conn, job_id: str) -> JobView | None:
         if view.state.is_final:
             return view
         if await request.is_disconnected():
-            await run_in_threadpool(_cancel_quietly, conn, job_id)
+            await run_in_threadpool(cancel_quietly, conn, job_id)
             return None
         await asyncio.sleep(POLL_S)
-
-
-def _cancel_quietly(conn: Conn, job_id: str) -> None:
-    with suppress(RingqError):  # it ended meanwhile
-        cancel_job(conn, job_id)
-
-
-def _raise_unless_finished(view: JobView) -> None:
-    if view.state == JobState.FINISHED and view.result is not None:
-        return
-    message = f"job {view.id} {view.state.value}: {view.error or 'no result'}"
-    if view.state == JobState.CANCELLED:
-        raise ApiError(409, message, code="job_cancelled")
-    if view.placement is None:  # refused at admission: the request's own fault
-        raise ApiError(400, message, code="job_rejected")
-    raise ApiError(500, message, type_="server_error", code="job_failed")
-
-
-def _completion(entry: BatchEntry, view: JobView) -> dict[str, Any]:
-    assert view.result is not None
-    line = output_line(entry, JobKind.GENERATE, view.result, view.updated_at)
-    return line["response"]["body"]
-
-
-async def _stream(conn: Conn, entry: BatchEntry, include_usage: bool) -> AsyncIterator[str]:
-    created = int(time.time())
-    finished = False
-    try:
-        yield _chunk(entry, created, {"role": "assistant", "content": ""})
-        view = None
-        async for view in _progress(conn, entry.job_id):
-            progress = view.progress
-            yield f": {progress.phase.value} {progress.processed}/{progress.total}\n\n"
-        assert view is not None
-        finished = True
-        try:
-            _raise_unless_finished(view)
-        except ApiError as exc:
-            yield _data(error_body(exc.message, exc.type, exc.param, exc.code))
-            return
-        body = _completion(entry, view)
-        for piece in _PIECES.findall(body["choices"][0]["message"]["content"]):
-            yield _chunk(entry, created, {"content": piece})
-        yield _chunk(entry, created, {}, finish_reason=body["choices"][0]["finish_reason"])
-        if include_usage:
-            yield _data({**_chunk_head(entry, created), "choices": [], "usage": body["usage"]})
-        yield "data: [DONE]\n\n"
-    finally:
-        if not finished:  # the caller went away mid-job (no await: this task is cancelled)
-            _cancel_quietly(conn, entry.job_id)
-
-
-async def _progress(conn: Conn, job_id: str) -> AsyncIterator[JobView]:
-    """The job's view whenever its progress changes (at least every KEEPALIVE_S), ending with
-    its final view."""
-    last, sent_at = None, 0.0
-    while True:
-        view = await run_in_threadpool(read_view, conn, job_id)
-        now = time.monotonic()
-        if view.state.is_final or view.progress != last or now - sent_at >= KEEPALIVE_S:
-            last, sent_at = view.progress, now
-            yield view
-        if view.state.is_final:
-            return
-        await asyncio.sleep(POLL_S)
-
-
-def _chunk(
-    entry: BatchEntry, created: int, delta: dict[str, Any], finish_reason: str | None = None
-) -> str:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return _data({**_chunk_head(entry, created), "choices": [choice]})
-
-
-def _chunk_head(entry: BatchEntry, created: int) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{entry.job_id}",
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": entry.model,
-    }
-
-
-def _data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def _job_header(entry: BatchEntry) -> dict[str, str]:

@@ -3,7 +3,8 @@
 POST /api/jobs                  {"kind", "document", "prompt"?, "model"?, ...JobSpec, "id"?}
 GET  /api/jobs?state=&batch=&limit=
 GET  /api/jobs/{id}             the job without its document (+ spec, result)
-GET  /api/jobs/{id}/events      SSE: `progress` events while it runs, then one `end`
+GET  /api/jobs/{id}/events      SSE: `progress` events while it runs, `text` while it decodes
+                                (the new generated text), then one `end`
 POST /api/jobs/{id}/cancel
 """
 
@@ -21,6 +22,7 @@ from cli.http.errors import ApiError
 from cli.http.job_views import JobView, check_served_model, eta_for, read_view, spec_json
 from jobs import keys
 from jobs.cancel import cancel_job
+from jobs.job_text import TextFollower, read_text
 from jobs.lifecycle import JobState
 from jobs.listing import MAX_LIMIT, list_jobs
 from jobs.schemas import JobSpec, TrackedGroup
@@ -85,11 +87,17 @@ async def events(job_id: str, request: Request, conn: Conn) -> StreamingResponse
 
 
 async def progress_events(conn: Conn, view: JobView) -> AsyncIterator[str]:
-    """`event: progress` with the job's view whenever it changes, `event: end` with its final
-    view; a comment every KEEPALIVE_S keeps idle connections open."""
+    """`event: progress` with the job's view whenever it changes, `event: text` {"text"} with
+    the text generated since the last one (jobs/job_text.py), `event: end` with its final view;
+    a comment every KEEPALIVE_S keeps idle connections open."""
     last: JobView | None = None
     quiet_s = 0.0
+    follower, after_id = TextFollower(), "0"
     while True:
+        deltas, after_id = await run_in_threadpool(read_text, conn, view.id, after_id)
+        for delta in deltas:
+            if text := follower.take(delta):
+                yield sse("text", {"text": text})
         if view.state.is_final:
             yield sse("end", view_json(view))
             return

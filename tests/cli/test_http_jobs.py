@@ -59,12 +59,15 @@ def test_submit_follow_and_read_a_job(base_url):
 
     events = read_events(f"{base_url}/api/jobs/{job['id']}/events")
     kinds = [kind for kind, _ in events]
-    assert kinds[-1] == "end" and set(kinds[:-1]) == {"progress"}
+    assert kinds[-1] == "end" and set(kinds[:-1]) <= {"progress", "text"}
     order = ["queued", "admitted", "loading", "prefill", "decode", "finished"]
-    phases = [order.index(data["progress"]["phase"]) for _, data in events]
+    views = [data for kind, data in events if kind != "text"]
+    phases = [order.index(data["progress"]["phase"]) for data in views]
     assert phases == sorted(phases), "phases arrive in lifecycle order"
     final = events[-1][1]
     assert final["state"] == "finished" and final["result"]["generated_tokens"] >= 1
+    streamed = "".join(data["text"] for kind, data in events if kind == "text")
+    assert streamed == final["result"]["text"], "the text events add up to the answer"
 
     status, full, _ = call("GET", f"{base_url}/api/jobs/{job['id']}")
     assert status == 200

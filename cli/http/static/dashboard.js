@@ -280,6 +280,11 @@ async function showJob(jobId) {
     job = { ...job, ...JSON.parse(event.data) };
     renderJob(job);
   });
+  let streamed = "";
+  events.addEventListener("text", (event) => {
+    streamed += JSON.parse(event.data).text;
+    $("#job-result").textContent = streamed;
+  });
   events.addEventListener("end", async () => {
     events.close();
     job = await getJSON(`/api/jobs/${encodeURIComponent(jobId)}`);
