@@ -7,6 +7,9 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
   nodes: a ring of N finishes one job about 0.95 N times faster than one GPU (ring-2 was 1.90x
   single on 2xH200), so N jobs side by side finish a backlog sooner than N rings one by one;
 - otherwise a long prompt takes as many nodes as fit (fastest prefill: a lone 128K job rings).
+- a retry whose checkpoint's nodes are all live goes back to them, in the checkpoint's layout
+  and rank order, to continue from it (a checkpoint outranks "fewest nodes"); else anywhere.
+  Not after a multi-node group stalled: that may have been a cut link between those nodes.
 - a kept prefix (automatic prefix reuse, jobs/prefix_cache.py "Placement"): the job waits for an
   in-flight prefill of the same prefix, prefers the nodes that keep it, and only the tokens left
   to compute count against RINGQ_RING_MIN_TOKENS.
@@ -16,13 +19,14 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
 """
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from admission.estimate import Layout, batch_row_bytes
 from admission.group_plan import GroupPlan, NodeFacts, chunk_candidates, plan_group
 from admission.model_shape import ModelShape
 from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
 from admission.vocabulary import DTYPE_BYTES
+from jobs.checkpoint_marks import CheckpointHint
 from jobs.errors import AdmissionError
 from jobs.prefix_cache import PrefixHint, wait_for_pending
 from jobs.schemas import GroupSpec, JobKind, JobRecord, NodeInfo, WarmGroup
@@ -38,6 +42,7 @@ class Job:
     shape: ModelShape  # in float32 (CPU); GPUs plan in `model_dtype`
     model_dtype: str
     prefix: PrefixHint = PrefixHint()  # its kept / in-flight prefix (jobs/prefix_cache.py)
+    checkpoint: CheckpointHint | None = None  # an earlier attempt's (jobs/checkpoint_marks.py)
 
     @property
     def new_tokens(self) -> int:
@@ -131,6 +136,8 @@ def plan_admission(job: Job, cluster: Cluster, settings: Settings) -> Place | Wa
     if (prefilling := wait_for_pending(job.prefix, len(job.tokens))) is not None:
         return Wait(prefilling)
     request, reason = placement_request(job, cluster, settings)
+    if (resumed := plan_resume(job, cluster, request, settings)) is not None:
+        return resumed
     if cluster.idle and (warm := plan_warm(job, cluster, request, settings, reason)):
         return warm
     try:
@@ -145,6 +152,47 @@ def plan_admission(job: Job, cluster: Cluster, settings: Settings) -> Place | Wa
         reason = f"waiting for memory that running groups hold (or for a free GPU): {busy}"
         return Wait(reason, evict=[group for group, _ in cluster.idle])
     plan = group_plan(job, cluster, chosen.layout, chosen.nodes, chosen.chunk_tokens, settings)
+    return Place(plan, chosen.bytes_per_node, reason)
+
+
+def plan_resume(
+    job: Job, cluster: Cluster, request: PlacementRequest, settings: Settings
+) -> Place | Wait | None:
+    """A retry on the nodes that hold its checkpoint, in its layout and rank order (rank r must
+    run where part r is); it waits while idle groups there make way. None: no checkpoint, a
+    holder is not live, or running jobs fill them: the retry is then placed as any other."""
+    hint = job.checkpoint
+    live = {node.name: node for node in cluster.nodes}
+    if hint is None or not job.record.attempt or not set(hint.nodes) <= set(live):
+        return None
+    reasons = job.record.retry_reasons
+    if len(hint.nodes) > 1 and reasons and "stalled" in reasons[-1]:
+        return None  # a stalled group may have been a cut link between these very nodes
+    request = replace(
+        request,
+        ranks=len(hint.nodes),
+        strategy=hint.strategy,
+        kv_layout=hint.kv_layout,
+        preferred_nodes=hint.nodes,
+    )
+    holders = replace(
+        cluster,
+        nodes=[live[name] for name in hint.nodes],
+        idle=[(g, held) for g, held in cluster.idle if set(g.nodes) & set(hint.nodes)],
+    )
+    reason = f"a retry: continues from its checkpoint at {hint.tokens} tokens ({hint.label})"
+    same = replace(holders, idle=[i for i in holders.idle if tuple(i[0].nodes) == hint.nodes])
+    if same.idle and (warm := plan_warm(job, same, request, settings, reason)):
+        return warm
+    try:
+        chosen = plan_placement(job.shape, request, capacities(job, holders, settings))
+    except CannotPlace:
+        try:  # idle groups hold the nodes: ask them to make way
+            plan_placement(job.shape, request, capacities(job, holders, settings, idle=True))
+        except CannotPlace:
+            return None
+        return Wait(f"{reason}: waiting for idle groups there", [g for g, _ in holders.idle])
+    plan = group_plan(job, holders, chosen.layout, hint.nodes, chosen.chunk_tokens, settings)
     return Place(plan, chosen.bytes_per_node, reason)
 
 

@@ -13,6 +13,7 @@ from rq import get_current_job
 
 from jobs import keys
 from jobs.admit_plan import Cluster, Job, Join, Place, Wait, plan_admission, plan_joins
+from jobs.checkpoint_marks import checkpoint_hint, read_marks
 from jobs.errors import InvalidJobError, JobNotFoundError, RingqError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import default_dtype, resolve_model
@@ -119,7 +120,9 @@ class Dispatcher:
         if earlier is None:  # stored once: ranks read them, and a retry need not tokenise again
             self.store.set_tokens(record.id, tokens)
         dtype = default_dtype(resolve_model(record.spec.model, allowed_dirs=allowed_dirs))
-        return Job(record, tokens, shape, dtype, self.prefix_hint(record, tokens))
+        # a retry: where an earlier attempt's checkpoint lies, to continue from it there
+        checkpoint = checkpoint_hint(read_marks(self.conn, record.id)) if record.attempt else None
+        return Job(record, tokens, shape, dtype, self.prefix_hint(record, tokens), checkpoint)
 
     def prefix_hint(self, record: JobRecord, tokens: list[int]) -> PrefixHint:
         """Where the job's prompt prefix is kept or being prefilled (automatic prefix reuse)."""

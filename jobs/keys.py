@@ -25,6 +25,10 @@ def job_cancel(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:cancel"  # set when cancel is asked; the job's ranks poll it
 
 
+def job_checkpoints(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:checkpoints"  # hash: rank -> JSON CheckpointMark (its node)
+
+
 def job_text(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:text"  # stream: generated text deltas (jobs/job_text.py)
 

@@ -100,10 +100,12 @@ class Settings(BaseSettings):
         "(DEFAULT_MAX_BATCH: 8 on CPU and Metal, 32 on CUDA).",
     )
     checkpoint_tokens: int = Field(
-        default=0,
+        default=2048,
         ge=0,
-        description="Each rank saves its prefill KV every this many prompt tokens (at a chunk "
-        "boundary) under RINGQ_HOME/checkpoints, so a retried job continues from there; 0: off.",
+        description="Each rank saves the prefill KV added since its last checkpoint every this "
+        "many prompt tokens (at a chunk boundary; GPU chunks are larger, so there every chunk) "
+        "under RINGQ_HOME/checkpoints, so a retried job continues from there; 0: off. The "
+        "prefill never waits for the disk (bench/results/README.md, 'Checkpoint cost').",
     )
     checkpoint_budget_bytes: int = Field(
         default=16 * 1024**3,

@@ -1,22 +1,28 @@
 """Prefill checkpoints on local disk, so that a retried job continues instead of starting over.
 
-Every `every_tokens` prompt tokens, at a chunk boundary, each rank saves its own KV caches (and
-the few numbers its strategy needs to continue, e.g. a ring's per-rank lengths) to
-`RINGQ_HOME/checkpoints/<job>/<layout>-rank<r>.safetensors` (mlx-lm's prompt-cache format).
-The compute thread only materialises the caches' current slices; a writer thread writes them
-to a temporary file and renames it over the previous checkpoint, so a crash mid-write leaves
-the older one whole. Checkpoints count against a disk budget and are deleted when the job ends.
+Every `every_tokens` prompt tokens, at a chunk boundary, each rank saves the part of its KV
+caches added since its previous checkpoint (and the few numbers its strategy needs to continue,
+e.g. a ring's per-rank lengths) as one segment,
+`RINGQ_HOME/checkpoints/<job>/<layout>-rank<r>-<start>-<end>.safetensors` (mlx-lm's prompt-cache
+format); a checkpoint is the chain of segments from token 0. Writing only the new part keeps
+the cost per token constant: rewriting the whole cache each time grew with the prompt (a
+checkpoint at 1M tokens would write the whole 1M again; bench/checkpoint_cost.py). The compute
+thread only materialises the new slices; a writer thread writes them to a temporary file and
+renames it into place, so a crash mid-write leaves the chain before it whole. Segments count
+against a disk budget (past it, the rank's chain stops growing) and are deleted when the job
+ends.
 """
 
 import contextlib
 import logging
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
@@ -29,10 +35,29 @@ def checkpoint_dir(home: Path, job_id: str) -> Path:
     return home / "checkpoints" / job_id
 
 
-def checkpoint_path(home: Path, job_id: str, layout: str, rank: int) -> Path:
-    """`layout` names the group's shape (e.g. "single-1", "ring-2"): only the same shape can
-    continue from a rank's part."""
-    return checkpoint_dir(home, job_id) / f"{layout}-rank{rank}{SUFFIX}"
+def segment_path(
+    home: Path, job_id: str, layout: str, rank: int, start_tokens: int, end_tokens: int
+) -> Path:
+    """One checkpoint segment: rank `rank`'s KV of prompt tokens [start, end). `layout` names the
+    group's shape (e.g. "single-1", "ring-2"): only the same shape can continue from it."""
+    name = f"{layout}-rank{rank}-{start_tokens}-{end_tokens}{SUFFIX}"
+    return checkpoint_dir(home, job_id) / name
+
+
+def segment_chain(home: Path, job_id: str, layout: str, rank: int) -> list[tuple[int, Path]]:
+    """(end tokens, path) of the rank's segments that follow each other from token 0."""
+    folder = checkpoint_dir(home, job_id)
+    pattern = re.compile(rf"{re.escape(layout)}-rank{rank}-(\d+)-(\d+){re.escape(SUFFIX)}")
+    found = []
+    for path in folder.iterdir() if folder.is_dir() else []:
+        if match := pattern.fullmatch(path.name):
+            found.append((int(match[1]), int(match[2]), path))
+    chain, reached = [], 0
+    for start, end, path in sorted(found):
+        if start == reached and end > start:
+            chain.append((end, path))
+            reached = end
+    return chain
 
 
 @dataclass(frozen=True)
@@ -44,29 +69,42 @@ class Resume:
     state: dict[str, str]
 
 
-def read_checkpoint(home: Path, job_id: str, layout: str, rank: int) -> Resume | None:
-    path = checkpoint_path(home, job_id, layout, rank)
-    if not path.is_file():
+def read_checkpoint(
+    home: Path, job_id: str, layout: str, rank: int, upto_tokens: int | None = None
+) -> Resume | None:
+    """The rank's checkpoint: its segments from token 0 (up to `upto_tokens`) joined."""
+    chain = [(end, path) for end, path in segment_chain(home, job_id, layout, rank)
+             if upto_tokens is None or end <= upto_tokens]  # fmt: skip
+    if not chain:
         return None
-    cache, metadata = load_prompt_cache(str(path), return_metadata=True)
-    tokens = int(metadata.pop("tokens"))
-    metadata.pop("job", None)
-    return Resume(cache, tokens, metadata)
+    parts, metadata = [], {}
+    for _, path in chain:
+        cache, metadata = load_prompt_cache(str(path), return_metadata=True)
+        parts.append(cache)
+    joined = []
+    for layers in zip(*parts, strict=True):
+        keys = mx.concatenate([layer.keys for layer in layers], axis=2)
+        values = mx.concatenate([layer.values for layer in layers], axis=2)
+        layer = KVCache()
+        layer.state = (keys, values, keys.shape[2])
+        joined.append(layer)
+    metadata = {k: v for k, v in metadata.items() if k not in ("job", "tokens", "start")}
+    return Resume(joined, chain[-1][0], metadata)
+
+
+def resumable_tokens(
+    home: Path, job_id: str, layout: str, rank: int, chunk_tokens: int, total_tokens: int
+) -> int:
+    """The furthest point this rank's segments reach that a run of `chunk_tokens` chunks over a
+    `total_tokens` prompt can continue from (0: none)."""
+    ends = [end for end, _ in segment_chain(home, job_id, layout, rank)]
+    return max((e for e in ends if e % chunk_tokens == 0 and e < total_tokens), default=0)
 
 
 def saved_tokens(home: Path, job_id: str, layout: str, ranks: int) -> int:
-    """Prompt tokens every rank of `layout` has saved (0 unless all of them have the same)."""
-    counts = {
-        read_checkpoint_tokens(checkpoint_path(home, job_id, layout, r)) for r in range(ranks)
-    }
-    return counts.pop() if len(counts) == 1 else 0
-
-
-def read_checkpoint_tokens(path: Path) -> int:
-    if not path.is_file():
-        return 0
-    _, metadata = cast(tuple[Any, dict[str, str]], mx.load(str(path), return_metadata=True))
-    return int(metadata.get("0.tokens", 0))  # save_prompt_cache flattens [metadata, ...]
+    """Prompt tokens every rank of `layout` has saved (0 when one has none)."""
+    reached = [segment_chain(home, job_id, layout, r) for r in range(ranks)]
+    return min((chain[-1][0] if chain else 0) for chain in reached)
 
 
 def delete_checkpoints(home: Path, job_id: str) -> int:
@@ -87,19 +125,29 @@ def checkpoint_bytes(home: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob(f"*{SUFFIX}*")) if root.is_dir() else 0
 
 
-def snapshot(cache: list[Any]) -> list[KVCache]:
-    """Evaluated copies of the caches' filled parts, safe to write while prefill goes on: new
-    arrays, never the cache's own buffers (which the next chunk updates in place)."""
+def snapshot(cache: list[Any], from_offset: int = 0) -> list[KVCache]:
+    """Evaluated copies of the caches' part from `from_offset` to their end, safe to write while
+    prefill goes on: new arrays, never the cache's own buffers (which the next chunk updates in
+    place)."""
     copies = []
     for layer in cache:
         if type(layer) is not KVCache:
             raise ValueError(f"checkpoints keep plain KV caches, not {type(layer).__name__}")
-        keys, values = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
+        keys = layer.keys[..., from_offset : layer.offset, :]
+        values = layer.values[..., from_offset : layer.offset, :]
         mx.eval(keys, values)
         copy = KVCache()
-        copy.state = (keys, values, layer.offset)
+        copy.state = (keys, values, layer.offset - from_offset)
         copies.append(copy)
     return copies
+
+
+@dataclass(frozen=True)
+class _Segment:
+    caches: list[KVCache]  # the part of each layer's cache since the previous segment
+    start_tokens: int
+    end_tokens: int
+    state: dict[str, str]
 
 
 class Checkpointer:
@@ -113,77 +161,102 @@ class Checkpointer:
         rank: int,
         every_tokens: int,
         budget_bytes: int,
+        on_change: Callable[[int], None] | None = None,
+        skip_while_busy: bool = False,
     ):
+        """`on_change(tokens)`: called (from the writer thread) once the checkpoint reaches
+        `tokens` prompt tokens on disk, and with 0 once it is deleted; the service records there
+        which node holds the part (jobs/checkpoint_marks.py). `skip_while_busy`: no checkpoint
+        is due while the writer still writes the last one, so the prefill never waits for the
+        disk and at most one segment's copy is held (the next segment covers more tokens)."""
         if every_tokens <= 0:
             raise ValueError(f"every_tokens must be positive, got {every_tokens}")
-        self.path = checkpoint_path(home, job_id, layout, rank)
-        self.home, self.job_id, self.rank = home, job_id, rank
+        self.home, self.job_id, self.layout, self.rank = home, job_id, layout, rank
         self.every_tokens, self.budget_bytes = every_tokens, budget_bytes
-        self.saved_tokens = 0
-        self.skipped = 0  # checkpoints not written: over the disk budget
-        self._queue: queue.Queue[tuple[list[KVCache], int, dict[str, str]] | None] = queue.Queue(1)
+        self.on_change, self.skip_while_busy = on_change, skip_while_busy
+        self.saved_tokens = 0  # prompt tokens handed to the writer so far
+        self.saved_offset = 0  # this rank's cache length then (a ring rank holds a share)
+        self.skipped = 0  # segments not written: over the disk budget (or after one that was)
+        self._queue: queue.Queue[_Segment | None] = queue.Queue(1)
+        self._writing = False
         self._writer = threading.Thread(target=self._write_forever, daemon=True, name="checkpoint")
         self._writer.start()
 
     def due(self, done_tokens: int) -> bool:
+        if self.skip_while_busy and (self._writing or not self._queue.empty()):
+            return False
         return done_tokens // self.every_tokens > self.saved_tokens // self.every_tokens
 
+    def continue_from(self, resume: Resume) -> None:
+        """The prefill continues from `resume`: the next segment starts where it ends."""
+        self.saved_tokens = resume.tokens
+        self.saved_offset = resume.cache[0].offset if resume.cache else 0
+
     def save(self, cache: list[Any], done_tokens: int, state: dict[str, str]) -> None:
-        """Hand the caches after `done_tokens` to the writer (waits only while the previous
-        checkpoint is still being written)."""
+        """Hand the caches' part since the last save to the writer (waits only while the
+        previous segment is still being written)."""
+        copies = snapshot(cache, self.saved_offset)
+        segment = _Segment(copies, self.saved_tokens, done_tokens, state)
         self.saved_tokens = done_tokens
-        self._queue.put((snapshot(cache), done_tokens, state))
+        self.saved_offset = cache[0].offset if cache else 0
+        self._queue.put(segment)
 
     def close(self) -> None:
         """Wait for the last write."""
         self._queue.put(None)
         self._writer.join()
 
-    def _write_forever(self) -> None:
-        while (item := self._queue.get()) is not None:
-            caches, tokens, state = item
-            try:
-                self._write(caches, tokens, state)
-            except Exception:  # a full disk or a bad cache must not fail (or hang) the prefill
-                log.exception("job %s rank %d: checkpoint not written", self.job_id, self.rank)
+    def delete(self) -> None:
+        """Remove this rank's segments (and a partial one)."""
+        folder = checkpoint_dir(self.home, self.job_id)
+        for path in folder.glob(f"{self.layout}-rank{self.rank}-*") if folder.is_dir() else []:
+            path.unlink(missing_ok=True)
+        if self.saved_tokens:
+            self.report(0)
 
-    def _write(self, caches: list[KVCache], tokens: int, state: dict[str, str]) -> None:
-        size = sum(c.keys.nbytes + c.values.nbytes for c in caches)
-        held = self.path.stat().st_size if self.path.exists() else 0
-        if checkpoint_bytes(self.home) - held + size > self.budget_bytes:
+    def _write_forever(self) -> None:
+        while (segment := self._queue.get()) is not None:
+            self._writing = True
+            try:
+                self._write(segment)
+            except Exception:  # a full disk or a bad cache must not fail (or hang) the prefill
+                self.skipped += 1
+                log.exception("job %s rank %d: checkpoint not written", self.job_id, self.rank)
+            finally:
+                self._writing = False
+
+    def _write(self, segment: _Segment) -> None:
+        size = sum(c.keys.nbytes + c.values.nbytes for c in segment.caches)
+        # a segment missing breaks the chain: later ones could not be continued from
+        if self.skipped or checkpoint_bytes(self.home) + size > self.budget_bytes:
             self.skipped += 1
             log.info(
-                "job %s rank %d: checkpoint at %d tokens over the disk budget, skipped",
+                "job %s rank %d: checkpoint at %d tokens skipped (disk budget)",
                 self.job_id,
                 self.rank,
-                tokens,
+                segment.end_tokens,
             )
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(self.path.name + ".partial" + SUFFIX)
-        metadata = {**state, "job": self.job_id, "tokens": str(tokens)}
-        save_prompt_cache(str(partial), caches, metadata=metadata)
-        os.replace(partial, self.path)
-        log.info("job %s rank %d: checkpoint at %d tokens", self.job_id, self.rank, tokens)
+        path = segment_path(
+            self.home, self.job_id, self.layout, self.rank, segment.start_tokens, segment.end_tokens
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial" + SUFFIX)
+        metadata = {**segment.state, "job": self.job_id, "tokens": str(segment.end_tokens)}
+        save_prompt_cache(str(partial), segment.caches, metadata=metadata)
+        os.replace(partial, path)
+        log.info(
+            "job %s rank %d: checkpoint at %d tokens", self.job_id, self.rank, segment.end_tokens
+        )
+        self.report(segment.end_tokens)
 
-
-def open_checkpoints(
-    home: Path, every_tokens: int, budget_bytes: int, job_id: str, layout: str, rank: int
-) -> tuple[Checkpointer | None, Resume | None]:
-    """For one rank's prefill: a Checkpointer (None when `every_tokens` is 0) and this rank's
-    checkpoint of the job in this layout, if it has one. Every rank must then agree on it
-    (`agree_on_resume`): a rank whose part is missing makes all of them start from 0."""
-    if every_tokens <= 0:
-        return None, None
-    saver = Checkpointer(home, job_id, layout, rank, every_tokens, budget_bytes)
-    return saver, read_checkpoint(home, job_id, layout, rank)
-
-
-def agree_on_resume(resume: Resume | None, gather: Callable[[int], list[int]]) -> Resume | None:
-    """`resume` if every rank's checkpoint holds the same number of tokens, else None.
-    `gather` is a collective (Engine.gather_ints): call this on every rank."""
-    counts = gather(resume.tokens if resume is not None else 0)
-    return resume if len(set(counts)) == 1 and counts[0] > 0 else None
+    def report(self, tokens: int) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(tokens)
+        except Exception:  # e.g. Redis restarting: a retry may then start over, nothing worse
+            log.exception("job %s rank %d: checkpoint not recorded", self.job_id, self.rank)
 
 
 def start_checkpoints(
@@ -196,31 +269,42 @@ def start_checkpoints(
     gather: Callable[[int], list[int]],
     chunk_tokens: int,
     total_tokens: int,
+    on_change: Callable[[int], None] | None = None,
 ) -> tuple[Checkpointer | None, Resume | None]:
-    """What one rank's prefill needs: a Checkpointer (None when off) and the checkpoint all
-    ranks agree to continue from (None: from the start; also when it is not on a boundary of
-    this run's chunks). Call on every rank of the group."""
-    saver, mine = open_checkpoints(home, every_tokens, budget_bytes, job_id, layout, rank)
-    if saver is None:
+    """What one rank's prefill needs: a Checkpointer (None when `every_tokens` is 0) and the
+    checkpoint all ranks continue from: the furthest point every rank's segments reach on a
+    boundary of this run's chunks (None: from the start). Call on every rank of the group."""
+    if every_tokens <= 0:
         return None, None
-    if mine is not None and (mine.tokens % chunk_tokens or mine.tokens >= total_tokens):
-        mine = None
+    saver = Checkpointer(
+        home, job_id, layout, rank, every_tokens, budget_bytes, on_change, skip_while_busy=True
+    )
+    reach = resumable_tokens(home, job_id, layout, rank, chunk_tokens, total_tokens)
+    common = min(gather(reach))  # a rank's writer may have lagged one segment behind
+    mine = read_checkpoint(home, job_id, layout, rank, common) if common > 0 else None
     resume = agree_on_resume(mine, gather)
     if resume is not None:
-        saver.saved_tokens = resume.tokens  # the next checkpoint is due `every_tokens` later
+        saver.continue_from(resume)
         log.info(
             "job %s rank %d: resuming from the checkpoint at %d tokens", job_id, rank, resume.tokens
         )
     return saver, resume
 
 
+def agree_on_resume(resume: Resume | None, gather: Callable[[int], list[int]]) -> Resume | None:
+    """`resume` if every rank's checkpoint holds the same number of tokens, else None.
+    `gather` is a collective (Engine.gather_ints): call this on every rank."""
+    counts = gather(resume.tokens if resume is not None else 0)
+    return resume if len(set(counts)) == 1 and counts[0] > 0 else None
+
+
 def end_checkpoints(saver: Checkpointer | None, keep: bool) -> None:
-    """After the prefill: wait for the writer, and delete this rank's part unless `keep` (the
-    prefill failed and a retry may continue from it)."""
+    """After the prefill: wait for the writer, and delete this rank's segments unless `keep`
+    (the prefill failed and a retry may continue from them)."""
     if saver is None:
         return
     saver.close()
     if not keep:
-        saver.path.unlink(missing_ok=True)
+        saver.delete()
         with contextlib.suppress(OSError):  # another rank's part may still be there
-            saver.path.parent.rmdir()
+            checkpoint_dir(saver.home, saver.job_id).rmdir()

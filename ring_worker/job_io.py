@@ -10,6 +10,7 @@ from typing import Optional, Protocol
 
 from admission.group_plan import CPU_CHUNK_TOKENS
 from jobs.cancel import cancel_requested, mark_cancelled
+from jobs.checkpoint_marks import clear_checkpoint, mark_checkpoint, mark_for
 from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundError
 from jobs.job_text import TextDelta, append_text, end_text, expire_at_job
 from jobs.lifecycle import JobState
@@ -46,6 +47,7 @@ class JobIO(Protocol):
     def fail(self, reason: str, retry: bool = True) -> None: ...
     def should_stop(self) -> bool: ...
     def cancelled(self, reason: str, partial: JobResult | None = None) -> None: ...
+    def checkpointed(self, group: GroupSpec, rank: int, tokens: int) -> None: ...
 
 
 class RedisJobIO:
@@ -171,6 +173,16 @@ class RedisJobIO:
         mark_cancelled(self.store, self.job_id, reason, partial)
         end_text(self.store.conn, self.job_id)
 
+    def checkpointed(self, group: GroupSpec, rank: int, tokens: int) -> None:
+        """Record where this rank's checkpoint part is (0 tokens: it was deleted), so that a
+        retry is placed where it can continue (jobs/checkpoint_marks.py)."""
+        conn = self.store.conn
+        if tokens:
+            mark = mark_for(group, rank, tokens)
+            mark_checkpoint(conn, self.job_id, rank, mark, self.store.job_ttl_s)
+        else:
+            clear_checkpoint(conn, self.job_id, rank)
+
 
 class FileJobIO:
     """Job from a JSON file {id, spec, tokens}; events appended as JSON lines for the parent.
@@ -231,6 +243,9 @@ class FileJobIO:
 
     def cancelled(self, reason: str, partial: JobResult | None = None) -> None:
         self._write("error", reason)
+
+    def checkpointed(self, group: GroupSpec, rank: int, tokens: int) -> None:
+        return None  # `ringq run` does not retry
 
     def _write(self, event: str, data: object) -> None:
         with self.events_path.open("a") as out:

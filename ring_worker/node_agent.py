@@ -25,6 +25,7 @@ from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import node_queue
 from jobs.workers import service_worker
+from ring_worker.checkpoint_sweep import SWEEP_INTERVAL_S, sweep_checkpoints
 from ring_worker.devices import cuda_memory_bytes, gpu_name, node_backend, visible_gpus
 from ring_worker.processes import rank_environment, spawn_rank, terminate_all
 from ring_worker.stall import StallWatch
@@ -196,9 +197,13 @@ class NodeAgent:
             self.stopping.wait(self.settings.node_heartbeat_s)
 
     def monitor_forever(self) -> None:
+        swept_at_s = 0.0
         while not self.stopping.is_set():
             try:
                 self.reap_ranks()
+                if time.monotonic() - swept_at_s > SWEEP_INTERVAL_S:
+                    swept_at_s = time.monotonic()
+                    sweep_checkpoints(self.store, self.settings.home)
             except redis.RedisError as exc:
                 log.warning("node %s: monitor failed: %s", self.name, exc)
             self.stopping.wait(MONITOR_INTERVAL_S)

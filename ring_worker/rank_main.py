@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -169,6 +170,7 @@ def checkpointed_prefill(
             engine.gather_ints,
             io.chunk_tokens(),
             len(tokens),
+            on_change=partial(io.checkpointed, group, ctx.rank),
         )
     try:
         prefill = engine.prefill(

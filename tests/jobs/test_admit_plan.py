@@ -8,6 +8,7 @@ import pytest
 from admission.estimate import Layout, batch_row_bytes
 from admission.vocabulary import Transport
 from jobs.admit_plan import Cluster, Job, Place, Wait, plan_admission, plan_joins
+from jobs.checkpoint_marks import CheckpointHint
 from jobs.errors import AdmissionError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import read_model_shape, resolve_model
@@ -234,3 +235,52 @@ def test_what_never_joins_a_busy_group(case):
         warm = warm.model_copy(update={"group": group})
     busy = Cluster([gpu("g0", 0)], {}, [], busy=[warm])
     assert plan_joins(candidate, busy, settings) == []
+
+
+def retried(planned: Job, checkpoint: CheckpointHint | None, why: str = "rank 1 was killed") -> Job:
+    record = planned.record.model_copy(update={"attempt": 1, "retry_reasons": [why]})
+    return Job(record, planned.tokens, planned.shape, planned.model_dtype, checkpoint=checkpoint)
+
+
+RING_ON_G1_G0 = CheckpointHint("ring", "replicated", ("g1", "g0"), tokens=98304)
+
+
+def test_a_retry_goes_back_to_its_checkpoint_layout_and_nodes_in_rank_order():
+    """Without a checkpoint a retry takes the fewest nodes (single); with one it rings again,
+    rank 0 on g1 and rank 1 on g0 as the parts lie."""
+    plain = plan_admission(retried(job(131072), None), Cluster(GPUS, {}, []), SETTINGS)
+    assert isinstance(plain, Place) and plain.plan.layout.strategy == "single"
+    place = plan_admission(retried(job(131072), RING_ON_G1_G0), Cluster(GPUS, {}, []), SETTINGS)
+    assert isinstance(place, Place)
+    assert (place.plan.layout.label, place.plan.nodes) == ("ring-2 (replicated KV)", ("g1", "g0"))
+    assert "continues from its checkpoint at 98304 tokens (ring-2 on g1, g0)" in place.reason
+
+
+def test_a_retry_whose_checkpoint_holders_are_gone_or_full_is_placed_anywhere():
+    gone = [GPUS[0], gpu("g2", 2)]
+    place = plan_admission(retried(job(131072), RING_ON_G1_G0), Cluster(gone, {}, []), SETTINGS)
+    assert isinstance(place, Place) and place.plan.layout.strategy == "single"
+    assert "checkpoint" not in place.reason
+    busy = {"g1": {"other": 20 * GIB}}  # a GPU runs one group at a time
+    place = plan_admission(retried(job(131072), RING_ON_G1_G0), Cluster(GPUS, busy, []), SETTINGS)
+    assert isinstance(place, Place) and place.plan.nodes == ("g0",)
+
+
+def test_a_retry_reuses_an_idle_group_only_where_its_checkpoint_parts_lie():
+    held = {"g0": {"warm1": 30 * GIB}, "g1": {"warm1": 30 * GIB}}
+    swapped = idle_group(["g0", "g1"])  # rank 0 on g0: part 0 is on g1
+    cluster = Cluster(GPUS, held, [(swapped, 30 * GIB)])
+    wait = plan_admission(retried(job(131072), RING_ON_G1_G0), cluster, SETTINGS)
+    assert isinstance(wait, Wait) and wait.evict == [swapped]
+    assert "continues from its checkpoint" in wait.reason
+    same = idle_group(["g1", "g0"])
+    cluster = Cluster(GPUS, held, [(same, 30 * GIB)])
+    place = plan_admission(retried(job(131072), RING_ON_G1_G0), cluster, SETTINGS)
+    assert isinstance(place, Place) and place.reuse == same
+
+
+def test_a_retry_after_a_stalled_ring_takes_the_fewest_nodes_despite_its_checkpoint():
+    """A stall may be a cut link between the checkpoint's nodes: going back would stall again."""
+    stalled = retried(job(131072), RING_ON_G1_G0, "rank 0 on node g1: stalled for 300 s")
+    place = plan_admission(stalled, Cluster(GPUS, {}, []), SETTINGS)
+    assert isinstance(place, Place) and place.plan.layout.strategy == "single"

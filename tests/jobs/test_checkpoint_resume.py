@@ -1,12 +1,15 @@
 """A ring-2 generate job whose rank is killed late in its prefill is retried and continues from
 the group's last checkpoint (RINGQ_CHECKPOINT_TOKENS) instead of token 0; its answer is the
-uninterrupted run's, and no checkpoint is left once it has finished."""
+uninterrupted run's, and no checkpoint is left once it has finished. Its layout is left to the
+dispatcher: a retry would take the fewest nodes (single), but the checkpoint's nodes and layout
+come first (jobs/checkpoint_marks.py)."""
 
 import os
 import signal
 
 import pytest
 
+from jobs.checkpoint_marks import read_marks
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
 from jobs.schemas import JobKind, JobSpec
@@ -24,6 +27,7 @@ ENV = {
     "RINGQ_NODE_TTL_S": "3",
     "RINGQ_RESERVATION_LEASE_S": "5",
     "RINGQ_RANK_PORT_BASE": "32700",
+    "RINGQ_RING_MIN_TOKENS": "256",  # the prompt rings over both nodes
 }
 
 
@@ -35,8 +39,6 @@ def test_a_retried_ring_prefill_continues_from_its_checkpoint():
         prompt="Go on.",
         max_tokens=8,
         model="random:tiny-llama",
-        strategy="ring",
-        ranks=2,
     )
     with private_cluster("ckpt", ENV) as cluster:
         store = JobStore(connect(cluster.url))
@@ -46,12 +48,16 @@ def test_a_retried_ring_prefill_continues_from_its_checkpoint():
         record = submit_job(store.conn, spec)
         late = wait_for(lambda: late_in_prefill(store, record.id), "80 % of the prefill", 180)
         home = cluster.settings.home
+        assert late.placement is not None and late.placement.strategy == "ring"
         wait_for(lambda: checkpoint_files(home) >= 2, "a checkpoint from each rank", 60)
+        wait_for(lambda: len(read_marks(store.conn, record.id)) == 2, "both ranks' marks", 30)
         os.kill(rank_pid(late.placement.group_id, 1), signal.SIGKILL)
         end = wait_for(lambda: final_record(store, record.id), "the retried job", 180)
         assert end.state == JobState.FINISHED and end.attempt == 1, end.error
         assert end.result is not None and expected.result is not None
         assert end.result.text == expected.result.text
+        assert end.placement is not None and end.placement.nodes == late.placement.nodes
+        assert "continues from its checkpoint" in end.placement.reason
         logs = (cluster.settings.home / "logs").glob("*-rank0.log")
         resumed = [
             line
@@ -61,6 +67,7 @@ def test_a_retried_ring_prefill_continues_from_its_checkpoint():
         ]
         assert resumed, "the retry started from token 0"
         assert checkpoint_bytes(cluster.settings.home) == 0
+        assert read_marks(store.conn, record.id) == {}
 
 
 def checkpoint_files(home) -> int:

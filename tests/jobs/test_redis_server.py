@@ -5,6 +5,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,26 @@ def test_concurrent_ensures_share_one_server(settings: Settings) -> None:
     finally:
         # The starter has exited; the server outlives it (its own session) until shut down.
         assert shutdown_embedded(settings)
+
+
+def test_a_server_loading_a_large_aof_is_waited_for_not_restarted(settings: Settings) -> None:
+    """Reading a large AOF back takes longer than the start timeout: the server answers LOADING
+    meanwhile and must be waited for (stopping it restarted the same load, for ever)."""
+    with ensure_redis(settings) as first:
+        client = redis.Redis.from_url(first.url, socket_timeout=300)
+        client.execute_command("DEBUG", "POPULATE", 2_000_000, "ringq:load")
+        client.bgrewriteaof()
+        wait_until(lambda: client.info("persistence")["aof_rewrite_in_progress"] == 0)
+        wait_until(lambda: client.info("persistence")["aof_rewrite_scheduled"] == 0)
+        client.close()
+    started = time.monotonic()
+    with ensure_redis(settings, timeout_s=0.5) as second:
+        assert time.monotonic() - started > 0.5, "loaded within the timeout: nothing tested"
+        assert connect(second.url).dbsize() == 2_000_000
+
+
+def wait_until(check, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)

@@ -1,8 +1,10 @@
-"""Prefill checkpoints: storage (one file per rank, replaced atomically, a disk budget, deleted
-with the job) and resume, which must give exactly the uninterrupted run's logits and greedy
-tokens (float32, CPU): on one device in-process, and on a real 2-rank ring."""
+"""Prefill checkpoints: storage (per rank a chain of segments, each the KV added since the last,
+written atomically, a disk budget, deleted with the job) and resume, which must give exactly the
+uninterrupted run's logits and greedy tokens (float32, CPU): on one device in-process, and on a
+real 2-rank ring."""
 
 import json
+import threading
 
 import mlx.core as mx
 import pytest
@@ -16,7 +18,6 @@ from ring_worker.checkpoint import (
     checkpoint_dir,
     delete_checkpoints,
     end_checkpoints,
-    open_checkpoints,
     read_checkpoint,
     saved_tokens,
     start_checkpoints,
@@ -24,6 +25,7 @@ from ring_worker.checkpoint import (
 from ring_worker.engine import Engine
 from ring_worker.group import free_loopback_ports
 from ring_worker.processes import rank_environment, spawn_rank, wait_all
+from tests.helpers import wait_for
 from tests.ring_worker.checkpoint_rank import run
 from tests.ring_worker.tiny import load_tiny, save_tiny
 
@@ -48,22 +50,64 @@ def test_a_checkpoint_is_due_each_time_the_prompt_passes_a_multiple(
     saver.close()
 
 
-def test_the_latest_checkpoint_replaces_the_last_and_reads_back(short_tmp_path):
+def grow(cache: list[KVCache], tokens: int) -> None:
+    for i, layer in enumerate(cache):
+        keys = mx.random.normal((1, 2, tokens, 16), key=mx.random.key(100 + i))
+        layer.update_and_fetch(keys, keys * 3)
+
+
+def test_each_checkpoint_writes_what_was_added_and_the_chain_reads_back(short_tmp_path):
     saver = Checkpointer(short_tmp_path, "j", "ring-2", 1, every_tokens=64, budget_bytes=1 << 30)
-    saver.save(filled_cache(64), 64, {"ring_position": "64"})
-    cache = filled_cache(128)
+    cache = filled_cache(40)  # a ring rank holds a share of the prompt's tokens
+    saver.save(cache, 64, {"ring_position": "64"})
+    grow(cache, 24)
     saver.save(cache, 128, {"ring_position": "128"})
     saver.close()
-    assert [p.name for p in checkpoint_dir(short_tmp_path, "j").iterdir()] == [
-        "ring-2-rank1.safetensors"
+    assert sorted(p.name for p in checkpoint_dir(short_tmp_path, "j").iterdir()) == [
+        "ring-2-rank1-0-64.safetensors",
+        "ring-2-rank1-64-128.safetensors",
     ]
     resume = read_checkpoint(short_tmp_path, "j", "ring-2", 1)
     assert resume is not None and resume.tokens == 128
     assert resume.state == {"ring_position": "128"}
     for got, want in zip(resume.cache, cache, strict=True):
-        assert mx.array_equal(got.keys, want.keys[..., :128, :]) and got.offset == 128
+        assert got.offset == 64
+        assert mx.array_equal(got.keys, want.keys[..., :64, :])
+        assert mx.array_equal(got.values, want.values[..., :64, :])
+    earlier = read_checkpoint(short_tmp_path, "j", "ring-2", 1, upto_tokens=100)
+    assert earlier is not None and earlier.tokens == 64 and earlier.cache[0].offset == 40
+    assert earlier.state == {"ring_position": "64"}
     assert saved_tokens(short_tmp_path, "j", "ring-2", 2) == 0  # rank 0 has none
     assert read_checkpoint(short_tmp_path, "j", "ring-2", 0) is None
+
+
+def test_no_checkpoint_is_due_while_the_writer_is_busy(short_tmp_path):
+    """The service's prefill never waits for the disk: while a segment is being written (its
+    writer held here in on_change), boundaries are passed over; the next segment starts where
+    the last one ended."""
+    writing, release = threading.Event(), threading.Event()
+
+    def hold(tokens: int) -> None:
+        writing.set()
+        release.wait(30)
+
+    saver = Checkpointer(short_tmp_path, "j", "single-1", 0, 64, 1 << 30, hold, True)
+    cache = filled_cache(64)
+    saver.save(cache, 64, {})
+    assert writing.wait(30)
+    grow(cache, 64)
+    assert not saver.due(128)  # skipped: still writing the first
+    grow(cache, 64)
+    release.set()
+    wait_for(lambda: saver.due(192), "the writer to be idle", 30)
+    saver.save(cache, 192, {})
+    saver.close()
+    assert sorted(p.name for p in checkpoint_dir(short_tmp_path, "j").iterdir()) == [
+        "single-1-rank0-0-64.safetensors",
+        "single-1-rank0-64-192.safetensors",
+    ]
+    resume = read_checkpoint(short_tmp_path, "j", "single-1", 0)
+    assert resume is not None and resume.tokens == 192 and resume.cache[0].offset == 192
 
 
 def test_checkpoints_over_the_disk_budget_are_skipped(short_tmp_path):
@@ -83,7 +127,26 @@ def test_ranks_resume_only_when_every_part_holds_the_same_tokens(counts, agreed)
 
 
 def test_checkpoints_are_off_at_zero_tokens(short_tmp_path):
-    assert open_checkpoints(short_tmp_path, 0, 1 << 30, "j", "single-1", 0) == (None, None)
+    off = start_checkpoints(short_tmp_path, 0, 1 << 30, "j", "single-1", 0, lambda m: [m], 64, 99)
+    assert off == (None, None)
+
+
+def test_ranks_whose_writers_lagged_resume_from_the_furthest_common_point(short_tmp_path):
+    """Rank 0 wrote segments up to 128 tokens, rank 1 (killed) only up to 64: both go on from 64,
+    rank 0 from the first of its segments."""
+    saver = Checkpointer(short_tmp_path, "j", "ring-2", 0, every_tokens=64, budget_bytes=1 << 30)
+    cache = filled_cache(32)
+    saver.save(cache, 64, {})
+    grow(cache, 32)
+    saver.save(cache, 128, {})
+    saver.close()
+    started = start_checkpoints(
+        short_tmp_path, 64, 1 << 30, "j", "ring-2", 0, lambda m: [m, 64], 64, 999
+    )
+    assert started[1] is not None and started[1].tokens == 64
+    assert started[1].cache[0].offset == 32
+    assert started[0] is not None and started[0].saved_offset == 32
+    end_checkpoints(started[0], keep=True)
 
 
 def test_a_rank_deletes_its_part_when_its_prefill_is_done(short_tmp_path):
@@ -99,7 +162,7 @@ def test_a_rank_deletes_its_part_when_its_prefill_is_done(short_tmp_path):
     end_checkpoints(savers[0], keep=True)
     end_checkpoints(savers[1], keep=False)
     assert [p.name for p in checkpoint_dir(short_tmp_path, "j").iterdir()] == [
-        "ring-2-rank0.safetensors"
+        "ring-2-rank0-0-64.safetensors"
     ]
     both = start_checkpoints(
         short_tmp_path, 64, 1 << 30, "j", "ring-2", 0, lambda m: [m, m], 64, 99

@@ -1,0 +1,120 @@
+"""Resume benchmark: a long CPU prefill through the service (Redis, dispatcher, 2 node agents),
+once uninterrupted, once with a rank killed (kill -9) at about 85 % of its prefill; the retry
+continues from the group's last checkpoint (RINGQ_CHECKPOINT_TOKENS). Goal: the retried prefill
+takes at most 0.3 of an uninterrupted one.
+
+    uv run python -m bench.resume --repeat 400 --every 1024
+
+Writes bench/results/resume-<model>-<tokens>.json: both prefill times (the engine's own
+`prefill_s`), their ratio, the kill-to-finished time of the retry against the uninterrupted
+job's submit-to-finished, where the kill fell and where the retry resumed.
+"""
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import click
+
+from jobs.checkpoint_marks import checkpoint_hint, read_marks
+from jobs.lifecycle import JobState
+from jobs.redis_server import connect
+from jobs.schemas import JobKind, JobRecord, JobSpec
+from jobs.store import JobStore
+from jobs.submit import submit_job
+from tests.helpers import final_record, private_cluster, rank_pid, wait_for
+
+OUT = Path(__file__).parent / "results"
+SENTENCE = "Ring attention splits a long prompt over several machines, block by block. "
+ENV = {
+    "RINGQ_PREFIX_CACHE": "off",  # both runs compute the whole prompt
+    "RINGQ_GROUP_IDLE_S": "0",  # and each starts its own group
+    "RINGQ_NODE_HEARTBEAT_S": "0.5",
+    "RINGQ_NODE_TTL_S": "3",
+    "RINGQ_RESERVATION_LEASE_S": "5",
+}
+TIMEOUT_S = 1800.0
+
+
+def late_in_prefill(store: JobStore, job_id: str, share: float) -> JobRecord | None:
+    record = store.get(job_id)
+    if record.state.is_final:
+        raise click.ClickException(f"job {job_id} ended before the kill: {record.error}")
+    progress = record.progress
+    late = record.state == JobState.PREFILL and progress.processed >= share * progress.total > 0
+    return record if late else None
+
+
+def resumed_from(home: Path, job_id: str) -> int:
+    """Where rank 0 of the retry said it continued from (0: from the start)."""
+    pattern = re.compile(rf"job {job_id} rank 0: resuming from the checkpoint at (\d+) tokens")
+    for log_path in (home / "logs").glob("*-rank0.log"):
+        if found := pattern.search(log_path.read_text()):
+            return int(found.group(1))
+    return 0
+
+
+def run_pair(model: str, document: str, every_tokens: int, kill_share: float) -> dict:
+    env = {**ENV, "RINGQ_CHECKPOINT_TOKENS": str(every_tokens)}
+    env["RINGQ_RANK_PORT_BASE"] = os.environ.get("RINGQ_RANK_PORT_BASE", "34800")
+    spec = JobSpec(kind=JobKind.PREFILL, document=document, model=model)
+    with private_cluster("resume", env) as cluster:
+        store = JobStore(connect(cluster.url))
+        clean = submit_job(store.conn, spec)
+        whole = wait_for(lambda: final_record(store, clean.id), "the clean run", TIMEOUT_S)
+        if whole.state != JobState.FINISHED or whole.result is None:
+            raise click.ClickException(f"the uninterrupted run ended {whole.state}: {whole.error}")
+        job = submit_job(store.conn, spec)
+        late = wait_for(lambda: late_in_prefill(store, job.id, kill_share), "the kill", TIMEOUT_S)
+        assert late.placement is not None
+        hint = checkpoint_hint(read_marks(store.conn, job.id))
+        killed_at = time.time()
+        os.kill(rank_pid(late.placement.group_id, late.placement.ranks - 1), signal.SIGKILL)
+        end = wait_for(lambda: final_record(store, job.id), "the retry", TIMEOUT_S)
+        if end.state != JobState.FINISHED or end.result is None:
+            raise click.ClickException(f"the retried run ended {end.state}: {end.error}")
+        return {
+            "prompt_tokens": whole.result.prompt_tokens,
+            "placement": whole.placement.reason if whole.placement else None,
+            "uninterrupted_prefill_s": whole.result.prefill_s,
+            "uninterrupted_submit_to_finished_s": whole.updated_at - whole.created_at,
+            "killed_at_tokens": late.progress.processed,
+            "checkpoint_at_kill_tokens": hint.tokens if hint else 0,
+            "retry_resumed_from_tokens": resumed_from(cluster.settings.home, job.id),
+            "retry_placement": end.placement.reason if end.placement else None,
+            "retry_prefill_s": end.result.prefill_s,
+            "retry_kill_to_finished_s": end.updated_at - killed_at,
+        }
+
+
+@click.command()
+@click.option("--model", default="smollm2", show_default=True)
+@click.option("--repeat", default=400, show_default=True, help="Sentences in the document.")
+@click.option("--every", "every_tokens", default=1024, show_default=True)
+@click.option("--kill-at", "kill_share", default=0.85, show_default=True)
+def main(model: str, repeat: int, every_tokens: int, kill_share: float) -> None:
+    """Run the pair (see the module docstring) and write its JSON."""
+    result = run_pair(model, SENTENCE * repeat, every_tokens, kill_share)
+    result["retry_prefill_ratio"] = result["retry_prefill_s"] / result["uninterrupted_prefill_s"]
+    result["retry_end_to_end_ratio"] = (
+        result["retry_kill_to_finished_s"] / result["uninterrupted_submit_to_finished_s"]
+    )
+    result.update(
+        model=model,
+        checkpoint_tokens=every_tokens,
+        kill_share=kill_share,
+        load_avg_1m=os.getloadavg()[0],
+        when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    )
+    name = f"resume-{model.replace(':', '-')}-{result['prompt_tokens']}.json"
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / name).write_text(json.dumps(result, indent=1))
+    click.echo(json.dumps(result, indent=1))
+    click.echo(f"written: {OUT / name}")
+
+
+if __name__ == "__main__":
+    main()
