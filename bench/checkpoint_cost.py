@@ -36,7 +36,7 @@ INTERVALS = (512, 1024, 2048, 4096, 8192, 16384)
 def measure(model_name: str, tokens: int, chunk_tokens: int, folder: Path) -> list[dict]:
     """Per chunk boundary: position, chunk prefill s, and its segment's snapshot s, write s and
     bytes."""
-    model = load_for_this_device(resolve_model(model_name), allowed_dirs=None)
+    model = load_for_this_device(resolve_model(model_name, allowed_dirs=None))
     vocab = model.args.vocab_size
     prompt = mx.random.randint(0, vocab, (tokens,), key=mx.random.key(0))
     cache = make_prompt_cache(model)
