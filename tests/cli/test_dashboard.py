@@ -37,7 +37,11 @@ def base_url(cluster) -> Iterator[str]:
 @pytest.fixture
 def page(base_url) -> Iterator:
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        # not the OpenBLAS that `./dev test` preloads for MLX: chromium hung with it
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox"], env=env, timeout=60_000
+        )
         try:
             context = browser.new_context(viewport={"width": 1500, "height": 1000})
             page = context.new_page()
