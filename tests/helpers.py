@@ -114,3 +114,15 @@ def completions_of_finished(cluster, job_id: str) -> int:
     """completions() of a job already seen finished: rank 0 logs `done` just after it writes the
     result, so wait for the first line rather than read the logs at once."""
     return wait_for(lambda: completions(cluster, job_id), f"rank 0 to log job {job_id} done")
+
+
+def long_stream(client, model: str):
+    """A streamed chat completion that decodes for a long while (OpenAI client): for tests
+    that cancel it or close it early."""
+    long_document = "Ring attention passes key and value blocks around a ring. " * 150
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": long_document}, {"role": "user", "content": "?"}],
+        max_tokens=4000,
+        stream=True,
+    )

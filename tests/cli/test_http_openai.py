@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from tests.cli.http_serving import call, serving
+from tests.helpers import long_stream
 
 MODEL = "random:tiny-llama"
 WAIT_S = 180
@@ -194,13 +195,7 @@ def test_models_and_errors_in_openai_shape(client, base_url):
 
 
 def test_a_stream_closed_early_cancels_its_job(client, base_url):
-    long_document = "Ring attention passes key and value blocks around a ring. " * 150
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": long_document}, {"role": "user", "content": "?"}],
-        max_tokens=4000,
-        stream=True,
-    )
+    stream = long_stream(client, MODEL)
     first = next(iter(stream))
     job_id = first.id.removeprefix("chatcmpl-")
     stream.close()

@@ -16,7 +16,7 @@ from jobs import keys
 from jobs.job_text import TEXT_KEEP_AFTER_END_S, read_text
 from jobs.redis_server import connect
 from tests.cli.http_serving import call, serving
-from tests.helpers import wait_for
+from tests.helpers import long_stream, wait_for
 
 MODEL = "random:tiny-llama"
 MESSAGES: list[ChatCompletionMessageParam] = [
@@ -123,13 +123,7 @@ def test_the_text_stream_expires_with_its_job(client, conn):
 
 
 def test_a_cancelled_job_ends_its_stream_with_an_error(client, base_url):
-    long_document = "Ring attention passes key and value blocks around a ring. " * 150
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": long_document}, {"role": "user", "content": "?"}],
-        max_tokens=4000,
-        stream=True,
-    )
+    stream = long_stream(client, MODEL)
     chunks = iter(stream)
     job_id = next(chunks).id.removeprefix("chatcmpl-")
     status, _, _ = call("POST", f"{base_url}/api/jobs/{job_id}/cancel")
