@@ -54,6 +54,7 @@ from jobs.errors import RingqError
 from jobs.lifecycle import JobState
 from jobs.overview import reserved_per_node
 from jobs.redis_server import SOCKET_NAME, connect, shutdown_embedded, unix_url
+from jobs.schemas import JobSpec
 from jobs.service_status import read_service_statuses
 from jobs.settings import Settings
 from jobs.store import JobStore
@@ -73,6 +74,8 @@ ENV = {
     "RINGQ_NODE_MEMORY_LIMIT_GIB": "1.5",
 }
 CANCEL_SHARE = 0.03
+RESERVE_SHARE = 0.25  # of the direct jobs, held back to keep the load going until every fault is in
+LOW_WATER = 4  # jobs not yet final below which a part of the reserve is submitted
 TICK_S = 0.5
 RSS_GROWTH_LIMIT = 1.10
 
@@ -96,6 +99,8 @@ class Progress:
 
     ids: list[str]
     cancel_at: dict[str, int]  # job id -> cancel once this many jobs are final
+    reserve: list[tuple[str, JobSpec]] = field(default_factory=list)  # submitted by top_up
+    reserve_part: int = 1
     faults: list[Fault] = field(default_factory=list)
     open_fault: Fault | None = None
     next_fault_at_s: float = 0.0
@@ -155,7 +160,8 @@ def soak_loop(conn, injector: Injector, config: SoakConfig, progress: Progress) 
             continue
         progress.final = sum(s.is_final for s in states.values())
         progress.finished = sum(s == JobState.FINISHED for s in states.values())
-        pending = progress.final < len(progress.ids)
+        top_up(conn, config, progress)
+        pending = progress.final < len(progress.ids) or bool(progress.reserve)
         cancel_due(conn, progress, states)
         step_faults(injector, config, progress, rng, pending)
         if time.monotonic() >= next_sample_s or not pending:
@@ -165,6 +171,22 @@ def soak_loop(conn, injector: Injector, config: SoakConfig, progress: Progress) 
             return
         time.sleep(TICK_S)
     # Timed out: the jobs still not final are reported as lost.
+
+
+def top_up(conn, config: SoakConfig, progress: Progress) -> None:
+    """Submit part of the held-back reserve when the load runs low while faults are still to come
+    (so that every fault hits a running load), and all of it once every fault is in."""
+    if not progress.reserve:
+        return
+    faults_left = len(progress.faults) < config.faults or progress.open_fault is not None
+    if faults_left and len(progress.ids) - progress.final >= LOW_WATER:
+        return
+    count = progress.reserve_part if faults_left else len(progress.reserve)
+    part, progress.reserve = progress.reserve[:count], progress.reserve[count:]
+    try:
+        progress.ids += [record.id for record in enqueue_jobs(conn, part)]
+    except redis.RedisError:  # Redis restarting: submitted again on a later tick, under new ids
+        progress.reserve = [(new_job_id(), spec) for _, spec in part] + progress.reserve
 
 
 def cancel_due(conn, progress: Progress, states: dict[str, JobState]) -> None:
@@ -302,9 +324,13 @@ def run_soak(config: SoakConfig, home: Path, env_extra: dict[str, str] | None = 
         )
         reference = run_reference(conn, reference_specs(load, settings))
         phase("reference")
+        reserve = load.direct[: round(len(load.direct) * RESERVE_SHARE)]
+        load.direct = load.direct[len(reserve) :]
         ids = submit_load(conn, load, settings)
         cancelled = rng.sample(ids, round(len(ids) * CANCEL_SHARE))
         progress = Progress(ids, {j: rng.randrange(0, max(1, len(ids) // 2)) for j in cancelled})
+        progress.reserve = reserve
+        progress.reserve_part = max(1, len(reserve) // max(1, config.faults))
         injector = Injector(conn, home, rng)
         soak_loop(conn, injector, config, progress)
         phase("load")
