@@ -51,8 +51,18 @@ def wait_batch(client: openai.OpenAI, batch_id: str, statuses: set[str]):
             seen.append(batch.status)
         if batch.status in statuses:
             return batch, seen
-        assert time.monotonic() < deadline, f"batch {batch_id} still {batch.status} ({seen})"
+        assert time.monotonic() < deadline, (
+            batch_id,
+            seen,
+            batch.request_counts,
+            errors(client, batch),
+        )
         time.sleep(0.2)
+
+
+def errors(client: openai.OpenAI, batch) -> str | None:
+    """The batch's error file, for a failure message."""
+    return client.files.content(batch.error_file_id).text if batch.error_file_id else None
 
 
 def test_batch_from_upload_to_output_file(client):
@@ -119,7 +129,9 @@ def test_invalid_lines_fail_the_batch_naming_them(client):
 
 def test_cancel_a_batch_puts_its_lines_in_the_error_file(client):
     long_question = "Explain ring attention in detail. " * 200
-    lines = [batch_line(f"slow-{i}", long_question, max_tokens=64, model=MODEL) for i in range(4)]
+    # max_tokens far above what a tiny model decodes before the cancel lands: on a warm group
+    # four 64-token lines (batched) once finished first, and the batch completed
+    lines = [batch_line(f"slow-{i}", long_question, max_tokens=4000, model=MODEL) for i in range(4)]
     uploaded = client.files.create(file=("slow.jsonl", jsonl(lines)), purpose="batch")
     batch = client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
