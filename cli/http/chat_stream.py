@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import redis
 from starlette.concurrency import run_in_threadpool
 
@@ -28,6 +29,10 @@ from jobs.schemas import BatchEntry
 log = logging.getLogger(__name__)
 TEXT_WAIT_MS = 200  # one XREAD BLOCK: how long a stream waits for text before it looks at the job
 KEEPALIVE_S = 5.0
+# A stream's blocking XREAD waits in a thread of this pool, not of the one every route shares
+# (anyio's default: 40 threads): 40 open streams would otherwise hold every thread 200 ms at a
+# time and queue every other request behind them. A thread waiting on a socket costs no CPU.
+STREAM_READERS = anyio.CapacityLimiter(1024)
 
 
 async def stream_completion(
@@ -93,7 +98,9 @@ async def _follow(conn: Conn, job_id: str, follower: TextFollower) -> AsyncItera
         view = await run_in_threadpool(read_view, conn, job_id)
         final = view.state.is_final
         wait_ms = None if final else TEXT_WAIT_MS
-        deltas, after_id = await run_in_threadpool(read_text, conn, job_id, after_id, wait_ms)
+        deltas, after_id = await anyio.to_thread.run_sync(
+            read_text, conn, job_id, after_id, wait_ms, limiter=STREAM_READERS
+        )
         for delta in deltas:
             if text := follower.take(delta):
                 yield text
