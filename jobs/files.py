@@ -22,6 +22,15 @@ def allowed_path(path: Path, allowed_dirs: Sequence[Path] | None, what: str) -> 
     )
 
 
+def file_bytes(path: Path) -> int:
+    """A file's size, 0 when it is gone between a listing and the stat (another rank's writer
+    renamed its partial file, or a sweep deleted it): sizes summed over a folder others write to."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def read_at_most(file: Path, max_bytes: int) -> bytes:
     """Up to max_bytes + 1 bytes of a regular file: a longer result means over the limit.
     Directories, devices and FIFOs are refused before opening (a FIFO would block)."""

@@ -23,6 +23,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
+from jobs.files import file_bytes
+
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 DEFAULT_BUDGET_FRACTION = 0.10  # of the free disk space where the store lives
@@ -137,7 +139,7 @@ class CacheStore:
 
     def used_bytes(self) -> int:
         """Everything in the folder, temporary files included."""
-        return sum(f.stat().st_size for f in self.root.rglob("*") if f.is_file())
+        return sum(file_bytes(f) for f in self.root.rglob("*") if f.is_file())
 
     def drop(self, name: str) -> bool:
         """Delete a cache file by name (pinned or not); whether there was one."""

@@ -27,6 +27,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
+from jobs.files import file_bytes
+
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 
@@ -112,7 +114,7 @@ def delete_checkpoints(home: Path, job_id: str) -> int:
     folder = checkpoint_dir(home, job_id)
     freed = 0
     for path in folder.glob("*") if folder.is_dir() else []:
-        freed += path.stat().st_size
+        freed += file_bytes(path)
         path.unlink(missing_ok=True)
     if folder.is_dir():
         folder.rmdir()
@@ -122,7 +124,7 @@ def delete_checkpoints(home: Path, job_id: str) -> int:
 def checkpoint_bytes(home: Path) -> int:
     """Disk the checkpoints of every job on this node take."""
     root = home / "checkpoints"
-    return sum(p.stat().st_size for p in root.rglob(f"*{SUFFIX}*")) if root.is_dir() else 0
+    return sum(file_bytes(p) for p in root.rglob(f"*{SUFFIX}*")) if root.is_dir() else 0
 
 
 def snapshot(cache: list[Any], from_offset: int = 0) -> list[KVCache]:
