@@ -22,6 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from ring_worker.checkpoint import Checkpointer, Resume
+from ring_worker.pacing import LAYERS_IN_FLIGHT, block, paced_layers
 from ring_worker.ring_attention import (
     ChunkSplit,
     Exchange,
@@ -75,6 +76,7 @@ class Engine:
     chunked prefill, the LM head applied to the last position only."""
 
     overlap_decode = True  # queue decode step t + 1 before reading step t's vote
+    paced_layers = LAYERS_IN_FLIGHT  # prefill layers in flight on a GPU (ring_worker/pacing.py)
 
     def __init__(self, model: nn.Module, group: Any = None):
         self.model = model
@@ -127,18 +129,19 @@ class Engine:
         if on_progress:
             on_progress("prefill", ends[first - 1] if first else 0, total)
         hidden = None
-        for step in self._prefill_steps(chunks[first:], cache):
-            if step.chunk is not None:
-                step = Step(step.chunk + first, step.last_hidden)
-            if step.last_hidden is not None:
-                hidden = step.last_hidden
-            if step.chunk is not None and on_progress:
-                on_progress("prefill", ends[step.chunk], total)
-            if checkpoints and step.chunk is not None and step.chunk < len(chunks) - 1:
-                self._checkpoint(checkpoints, cache, ends[step.chunk])
-            if should_stop is not None and self._agree_flags([0, int(should_stop())])[1]:
-                done = ends[step.chunk] if step.chunk is not None else 0
-                raise Cancelled(f"stopped after {done} of {total} prompt tokens")
+        with paced_layers(self.model, self.paced_layers):
+            for step in self._prefill_steps(chunks[first:], cache):
+                if step.chunk is not None:
+                    step = Step(step.chunk + first, step.last_hidden)
+                if step.last_hidden is not None:
+                    hidden = step.last_hidden
+                if step.chunk is not None and on_progress:
+                    on_progress("prefill", ends[step.chunk], total)
+                if checkpoints and step.chunk is not None and step.chunk < len(chunks) - 1:
+                    self._checkpoint(checkpoints, cache, ends[step.chunk])
+                if should_stop is not None and self._agree_flags([0, int(should_stop())])[1]:
+                    done = ends[step.chunk] if step.chunk is not None else 0
+                    raise Cancelled(f"stopped after {done} of {total} prompt tokens")
         logits = self._share_last_logits(hidden)
         ranges = tuple(self._added_ranges(start, total)) if resume is None else ()
         return PrefillResult(logits, cache, total, time.perf_counter() - started, ranges)
@@ -418,7 +421,7 @@ class LastPositionMLP(nn.Module):
 @contextmanager
 def last_position_mlp(model: nn.Module) -> Iterator[None]:
     """Within: the model's last layer computes its MLP for the last position only."""
-    layer = model.model.layers[-1]
+    layer = block(model.model.layers[-1])
     mlp = layer.mlp
     layer.mlp = LastPositionMLP(mlp)
     try:

@@ -43,6 +43,7 @@ def keep_stage(model: nn.Module, rank: int, size: int) -> range:
 
 class PipelineEngine(Engine):
     overlap_decode = False  # stages send and receive: see Engine._post
+    paced_layers = 0  # a stage's send/recv overlaps its compute; not measured paced
 
     def __init__(self, model: nn.Module, group: Any):
         super().__init__(model, group)

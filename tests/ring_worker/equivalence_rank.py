@@ -3,7 +3,7 @@
 import json
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, cast
 
@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from ring_worker.engine import Engine
 from ring_worker.group import join_group
+from ring_worker.pacing import paced_layers
 from ring_worker.ring_attention import Exchange, KVLayout
 from ring_worker.strategies import make_engine
 from tests.ring_worker.tiny import load_tiny
@@ -22,6 +23,7 @@ def main() -> None:
     model_dir, rank, addresses, lengths, chunk, out_dir, strategy, exchange, kv_layout = sys.argv[
         1:10
     ]
+    paced = sys.argv[10:] == ["paced"]  # prefill paced layer by layer, as on GPUs
     group = join_group(json.loads(addresses), int(rank), Path(out_dir))
     assert strategy in ("single", "ring", "pipeline")
     assert exchange in ("rotate", "allgather") and kv_layout in ("replicated", "sharded")
@@ -32,7 +34,10 @@ def main() -> None:
     results = {}
     for length in json.loads(lengths):
         progress: list[tuple[int, int]] = []
-        prefill = engine.prefill(prompt_tokens(length), int(chunk), on_progress=recorder(progress))
+        with paced_layers(model, force=True) if paced else nullcontext():
+            prefill = engine.prefill(
+                prompt_tokens(length), int(chunk), on_progress=recorder(progress)
+            )
         kv_tokens = prefill.cache[0].offset  # this rank's KV after prefill
         steps = [prefill.logits]
         with recording_decode_logits(engine, steps):

@@ -35,7 +35,7 @@ def tiny_model_dir(request, tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp(request.param), request.param, layers=LAYERS)
 
 
-def run_group(model_dir, size, strategy, exchange, kv_layout, out_dir):
+def run_group(model_dir, size, strategy, exchange, kv_layout, out_dir, paced=False):
     addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(size)]
     procs = [
         spawn_rank(
@@ -51,6 +51,7 @@ def run_group(model_dir, size, strategy, exchange, kv_layout, out_dir):
                 strategy,
                 exchange,
                 kv_layout,
+                *(["paced"] if paced else []),
             ],
             rank_environment(threads=1),
         )
@@ -105,6 +106,27 @@ def test_strategy_matches_single_device(
     tiny_model_dir, strategy, size, exchange, kv_layout, tmp_path
 ):
     run_group(tiny_model_dir, size, strategy, exchange, kv_layout, tmp_path)
+    check_against_reference(tiny_model_dir, strategy, size, kv_layout, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("llama-paced"), "llama", layers=LAYERS)
+
+
+@pytest.mark.parametrize(
+    ("exchange", "kv_layout"), [("rotate", "sharded"), ("allgather", "replicated")]
+)
+def test_a_ring_paced_layer_by_layer_matches_single_device(
+    llama_dir, exchange, kv_layout, tmp_path
+):
+    """GPU ranks pace prefill (ring_worker/pacing.py): its collectives and sends, layer by layer
+    with a layer queued ahead, must neither hang nor change a logit. Forced here on CPU."""
+    run_group(llama_dir, 2, "ring", exchange, kv_layout, tmp_path, paced=True)
+    check_against_reference(llama_dir, "ring", 2, kv_layout, tmp_path)
+
+
+def check_against_reference(tiny_model_dir, strategy, size, kv_layout, tmp_path):
     samplers = [size - 1] if strategy == "pipeline" else list(range(size))
     for rank in range(size):
         decoded = json.loads((tmp_path / f"tokens-rank{rank}.json").read_text())
