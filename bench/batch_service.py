@@ -21,8 +21,8 @@ submit -> finished over 1.5x what it takes one at a time behind the same queue o
 `latency_ratio` is each job's batched latency / its one-at-a-time latency at the same queue
 index, with the max. One at a time, waiting jobs retry admission every RINGQ_ADMIT_RETRY_S, so
 they need not run in queue order: a job overtaken there has a ratio above 1 that batching did
-not cause (`latencies_s` of both runs are in the JSON). The JSON also records the commit, the machine and the load before and
-after. Writes bench/results/batch-service-<model>.json (or --out).
+not cause (`latencies_s` of both runs are in the JSON). The JSON also records the commit, the
+machine and the load before and after. Writes bench/results/batch-service-<model>.json (or --out).
 """
 
 import json
