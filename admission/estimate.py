@@ -184,12 +184,19 @@ def activation_bytes(
     return hidden + mlp + scores + logits
 
 
+def batch_row_tokens(prompt_tokens: int, max_new_tokens: int) -> int:
+    """Positions one sequence's row of a decode batch holds (ring_worker/batch_cache.py): its
+    prompt and answer, in the buffer's 256-token steps."""
+    return _cache_tokens(prompt_tokens + max_new_tokens)
+
+
 def batch_row_bytes(
     shape: ModelShape, prompt_tokens: int, max_new_tokens: int, layout: Layout
 ) -> int:
-    """What one more sequence adds on the busiest rank of a group that decodes in batches:
-    its whole KV (replicated on every rank; single), in the buffer's 256-token steps."""
+    """One sequence's own row of a decode batch on the busiest rank (replicated on every rank;
+    single). What its joining adds is more (jobs/warm_groups.py): every row of the batch's
+    buffer is as long as its longest row, and rows grow by doubling."""
     if layout.strategy == "pipeline" or layout.kv_layout == "sharded":
         raise ValueError(f"{layout.label} does not decode in batches")
-    tokens = _cache_tokens(prompt_tokens + max_new_tokens)
+    tokens = batch_row_tokens(prompt_tokens, max_new_tokens)
     return int(shape.kv_bytes_per_token() * tokens * MARGIN)

@@ -7,18 +7,28 @@ RINGQ_MAX_BATCH=1 (one job at a time).
 Both clusters run one group per node (RINGQ_NODE_MAX_GROUPS=1: "one at a time" is one group,
 not two sharing the cores), no prefix reuse (every prompt computed) and a warm group: one
 warm-up job loads the model before the N are submitted, so loading is not timed. Documents are
-distinct slices of the demo document of about --doc-tokens tokens, each job a different length.
+distinct windows of about --doc-tokens tokens of the model's own tokenizer over the demo
+document (tiled where it is shorter: a byte-level random model needs ~4x the characters of
+SmolLM2), each job a different length; `doc_tokens` in the JSON says what they came to.
 
 Per run: makespan (submit of the N -> the last one finished), end-to-end generated tok/s over
 the makespan, decode tok/s = generated tokens / the group's time not spent prefilling
 (makespan - the jobs' prefill_s summed: one group does one or the other, in both runs), per-job
 latency (submit -> finished) percentiles, and each job's batch_size. `decode_union_s` is the
 union of the jobs' [finished - decode_s, finished] (a batched job's decode_s counts from when
-it joined, through the prefills of the jobs joining after it). Writes
-bench/results/batch-service-<model>.json.
+it joined, through the prefills of the jobs joining after it). Starvation (issue 14: no job's
+submit -> finished over 1.5x what it takes one at a time behind the same queue order):
+`latency_ratio` is each job's batched latency / its one-at-a-time latency at the same queue
+index, with the max. One at a time, waiting jobs retry admission every RINGQ_ADMIT_RETRY_S, so
+they need not run in queue order: a job overtaken there has a ratio above 1 that batching did
+not cause (`latencies_s` of both runs are in the JSON). The JSON also records the commit, the
+machine and the load before and after. Writes bench/results/batch-service-<model>.json (or --out).
 """
 
 import json
+import os
+import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,25 +38,47 @@ from pathlib import Path
 
 import click
 
+from bench.batch_decode import git_commit
 from jobs.lifecycle import JobState
+from jobs.model_catalog import resolve_model
 from jobs.redis_server import connect
 from jobs.schemas import JobKind, JobRecord, JobSpec
 from jobs.store import JobStore
 from jobs.submit import enqueue_jobs, new_job_id, submit_job
+from jobs.tokenizer import ChatTokenizer, load_tokenizer
 from tests.helpers import private_cluster
 
 RESULTS = Path(__file__).parent / "results"
-CHARS_PER_TOKEN = 4  # about, for English text and SmolLM2's tokenizer
+STRIDE_TOKENS = 211  # where each document's window starts, after the previous one's
+STARVATION_GOAL = 1.5  # issue 14: batched latency / one at a time, per job, at most
 
 
-def documents(count: int, tokens: int) -> list[str]:
+def documents(tokenizer: ChatTokenizer, count: int, tokens: int) -> list[str]:
+    """`count` distinct texts of about `tokens` tokens (each a few shorter than the last)."""
     text = " ".join(files("cli").joinpath("demo/document.md").read_text().split())
-    size = tokens * CHARS_PER_TOKEN
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    needed = STRIDE_TOKENS * count + tokens
+    ids = ids * -(-needed // len(ids))  # tiled: a byte-level model's tokens are characters
     found = []
     for i in range(count):
-        start = (i * 211) % max(len(text) - size, 1)
-        found.append(f"Document {i}. " + text[start : start + size - 8 * (i % 5)])
+        start = i * STRIDE_TOKENS
+        window = ids[start : start + tokens - 8 * (i % 5)]
+        found.append(f"Document {i}. " + tokenizer.decode(window))
     return found
+
+
+def machine() -> dict:
+    gpus = ""
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]
+        gpus = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+    return {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "gpus": gpus.splitlines(),
+    }
 
 
 def spec(model: str, document: str, max_tokens: int) -> JobSpec:
@@ -90,7 +122,8 @@ def summary(records: list[JobRecord], submitted: float, max_batch: int) -> dict:
     generated = sum(r.result.generated_tokens for r in records if r.result)
     ends = [r.updated_at for r in records]
     decoding = [(r.updated_at - r.result.decode_s, r.updated_at) for r in records if r.result]
-    latencies = sorted(end - submitted for end in ends)
+    in_order = [end - submitted for end in ends]  # queue order: the order they were enqueued
+    latencies = sorted(in_order)
     makespan = max(ends) - submitted
     prefill_s = sum(r.result.prefill_s for r in records if r.result)
     return {
@@ -108,8 +141,20 @@ def summary(records: list[JobRecord], submitted: float, max_batch: int) -> dict:
             "p90": latencies[int(0.9 * (len(latencies) - 1))],
             "max": latencies[-1],
         },
+        "latencies_s": in_order,
         "batch_sizes": [r.result.batch_size for r in records if r.result],
         "texts": [r.result.text for r in records if r.result],
+    }
+
+
+def latency_ratio(batched_s: list[float], alone_s: list[float]) -> dict:
+    """Each job's batched latency over its one-at-a-time latency, at the same queue index."""
+    per_job = [b / a for b, a in zip(batched_s, alone_s, strict=True)]
+    return {
+        "per_job": per_job,
+        "max": max(per_job),
+        "goal_max": STARVATION_GOAL,
+        "goal_met": max(per_job) <= STARVATION_GOAL,
     }
 
 
@@ -143,11 +188,16 @@ def main(
     port_base: int,
     out: Path | None,
 ) -> None:
-    docs = documents(count, doc_tokens)
+    tokenizer = load_tokenizer(resolve_model(model, allowed_dirs=None))
+    docs = documents(tokenizer, count, doc_tokens)
+    sizes = [len(tokenizer.encode(d, add_special_tokens=False)) for d in docs]
     report: dict = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(["python -m bench.batch_service", *sys.argv[1:]]),
+        "commit": git_commit(),
+        "machine": machine(),
         "model": model,
+        "doc_tokens": {"asked": doc_tokens, "min": min(sizes), "max": max(sizes)},
         "uptime_before": load_average(),
     }
     report["batched"] = run(model, docs, max_tokens, max_batch, port_base)
@@ -163,10 +213,12 @@ def main(
             a == b for a, b in zip(batched["texts"], alone["texts"], strict=True)
         ),
     }
+    report["latency_ratio"] = latency_ratio(batched["latencies_s"], alone["latencies_s"])
     name = model.replace("/", "_").replace(":", "_")
     path = out or RESULTS / f"batch-service-{name}.json"
     path.write_text(json.dumps(report, indent=1))
-    print(json.dumps({"ratio": report["ratio"], "uptime": report["uptime_after"]}, indent=1))
+    shown = {k: report[k] for k in ("ratio", "latency_ratio", "uptime_after")}
+    print(json.dumps(shown, indent=1))
 
 
 if __name__ == "__main__":

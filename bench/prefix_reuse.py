@@ -4,18 +4,23 @@ in one run, with the answers checked to be identical.
     python -m bench.prefix_reuse                     # engine level: SmolLM2, CPU, demo doc x 8
     python -m bench.prefix_reuse --service           # the same as jobs through a local service
     python -m bench.prefix_reuse --service --model random:llama-3.1-8b --doc-tokens 130000 \
-        --cache-bytes 40000000000                    # one H200: a 128K document x 8 questions
+        --cache-bytes 40000000000 --out bench/results/prefix-reuse-service-h200.json
+                                                     # one H200: a 128K document x 8 questions
     python -m bench.prefix_reuse --service --nodes 2 --first-ring 2 --kv-layout sharded
                                                      # the first on ring-2, the rest single
+    python -m bench.prefix_reuse --service --nodes 2 --ranks 2   # every question on ring-2
 
 Engine level runs the rank's own code path (jobs/prefix_index.py, ring_worker/prefix_reuse.py,
 a real Redis and real files), without the queue. Goal (issue 15): total with reuse <= 1.3 x (one
-prefill + the 8 decodes), both measured with the cache off. Writes bench/results/prefix-reuse*.json
-(results and commands: bench/results/prefix-reuse.md).
+prefill + the 8 decodes), both measured with the cache off. Writes --out, by default
+bench/results/prefix-reuse-<engine|service>-<model>[-ring<N>|-first-ring<N>].json, and never
+over an existing file unless --out names it (the committed results and their commands:
+bench/results/prefix-reuse.md).
 """
 
 import json
 import os
+import platform
 import sys
 import tempfile
 import time
@@ -25,6 +30,7 @@ from typing import Any
 
 import click
 
+from bench.batch_decode import git_commit
 from bench.prefix_service import service_level
 from jobs.model_catalog import resolve_model
 from jobs.prefix_index import PrefixIndex, model_key
@@ -135,6 +141,19 @@ def engine_level(model: str, questions: int, max_tokens: int, chunk: int) -> dic
     return {**setup, **summary(off, off_s, on, on_s), "off": off, "on": on}
 
 
+def out_path(out: Path | None, mode: str, model: str, ranks: int, first_ring: int) -> Path:
+    """--out as given; else a name of its own per mode, model and layout, never an existing
+    file (a committed result is overwritten only when --out names it)."""
+    if out is not None:
+        return out
+    name = f"prefix-reuse-{mode}-{model.replace('/', '_').replace(':', '_')}"
+    name += f"-ring{ranks}" if ranks > 1 else f"-first-ring{first_ring}" if first_ring > 1 else ""
+    path = RESULTS / f"{name}.json"
+    if path.exists():
+        raise click.BadParameter(f"{path} exists: pass --out to replace it or to write elsewhere")
+    return path
+
+
 def with_rank_environment() -> None:
     """Run as a rank runs (OpenBLAS preloaded on CPU-only Linux: fp32 matmul 25-35x faster):
     start this command again in that environment unless it already is."""
@@ -164,6 +183,12 @@ def service_env(cache_bytes: int | None, kv_layout: str | None) -> dict[str, str
     show_default=True,
     help="Service: the first question on a ring of this many nodes, the rest single.",
 )
+@click.option(
+    "--ranks",
+    default=1,
+    show_default=True,
+    help="Service: every question on a ring of this many nodes (1: single).",
+)
 @click.option("--kv-layout", default=None, help="Service: RINGQ_KV_LAYOUT (e.g. sharded).")
 @click.option("--timeout-s", default=1800.0, show_default=True)
 def main(
@@ -177,12 +202,20 @@ def main(
     doc_tokens: int,
     cache_bytes: int | None,
     first_ring: int,
+    ranks: int,
     kv_layout: str | None,
     timeout_s: float,
 ) -> None:
-    if first_ring > nodes:
-        raise click.BadParameter(f"a ring of {first_ring} needs --nodes {first_ring} or more")
+    if max(first_ring, ranks) > nodes:
+        ring = max(first_ring, ranks)
+        raise click.BadParameter(f"a ring of {ring} needs --nodes {ring} or more")
+    if ranks > 1 and first_ring > 1:
+        raise click.BadParameter("--ranks puts every question on a ring: drop --first-ring")
+    if (ranks > 1 or first_ring > 1) and not service:
+        raise click.BadParameter("--ranks and --first-ring need --service")
+    out = out_path(out, "service" if service else "engine", model, ranks, first_ring)
     started = {"command": " ".join(["python -m bench.prefix_reuse", *sys.argv[1:]]),
+               "commit": git_commit(), "host": platform.node(),
                "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "load_before": os.getloadavg()}  # fmt: skip
     if not service:
@@ -191,14 +224,13 @@ def main(
     else:
         env = service_env(cache_bytes, kv_layout)
         runs = service_level(model, document_of(doc_tokens), QUESTIONS[:questions], max_tokens,
-                             nodes, timeout_s, env, first_ring)  # fmt: skip
+                             nodes, timeout_s, env, first_ring, ranks)  # fmt: skip
         setup = {"mode": "service", "model": model, "questions": questions, "nodes": nodes,
-                 "first_ring": first_ring, "env": env, "doc_tokens": doc_tokens,
+                 "first_ring": first_ring, "ranks": ranks, "env": env, "doc_tokens": doc_tokens,
                  "max_tokens": max_tokens}  # fmt: skip
         summed = summary(runs["off"], runs["off_total_s"], runs["on"], runs["on_total_s"])
         result = {**setup, **summed, "off": runs["off"], "on": runs["on"]}
     result = {**started, "load_after": os.getloadavg(), **result}
-    out = out or RESULTS / f"prefix-reuse-{result['mode']}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     keys = ("off_total_s", "on_total_s", "speedup", "one_prefill_plus_decodes_s", "on_over_ideal",
             "goal_met", "later_prefill_fraction", "answers_identical")  # fmt: skip

@@ -80,10 +80,21 @@ def row(record: JobRecord, started: float) -> dict[str, Any]:
 
 
 def question_specs(
-    model: str, document: str, questions: list[str], max_tokens: int, first_ring: int
+    model: str,
+    document: str,
+    questions: list[str],
+    max_tokens: int,
+    first_ring: int,
+    ranks: int = 1,
 ) -> list[JobSpec]:
-    """One job per question, single node; with `first_ring` > 1 the first on a ring of that
-    many nodes (the others then start from the ring's kept KV, resharded for one node)."""
+    """One job per question: on one node, or with `ranks` > 1 every one on a ring of that many
+    nodes; with `first_ring` > 1 only the first on a ring of that many (the others then start
+    from the ring's kept KV, resharded for one node)."""
+    if ranks > 1 and first_ring > 1:
+        raise ValueError(f"--ranks {ranks} puts every question on a ring: drop --first-ring")
+    layout: dict[str, Any] = {"strategy": "single"}
+    if ranks > 1:
+        layout = {"strategy": "ring", "ranks": ranks}
     specs = [
         JobSpec(
             kind=JobKind.GENERATE,
@@ -91,7 +102,7 @@ def question_specs(
             prompt=q,
             model=model,
             max_tokens=max_tokens,
-            strategy="single",
+            **layout,
         )  # fmt: skip
         for q in questions
     ]
@@ -110,8 +121,9 @@ def service_level(
     timeout_s: float,
     env: dict[str, str],
     first_ring: int = 1,
+    ranks: int = 1,
 ) -> dict[str, Any]:
-    specs = question_specs(model, document, questions, max_tokens, first_ring)
+    specs = question_specs(model, document, questions, max_tokens, first_ring, ranks)
     runs: dict[str, Any] = {}
     for mode, at_once in (("off", False), ("on", True)):
         mode_env = {**env, "RINGQ_PREFIX_CACHE": mode}

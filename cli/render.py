@@ -11,6 +11,7 @@ from jobs.schemas import DEFAULT_GENERATE_PROMPT, JobKind, JobRecord, NodeInfo, 
 from jobs.schemas import Progress as JobProgress
 
 if TYPE_CHECKING:
+    import redis
     from rich.console import Console
     from rich.table import Table
 
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 WATCH_INTERVAL_S = 0.25
 
 
-def status_json(record: JobRecord) -> dict[str, Any]:
+def status_json(record: JobRecord, batch_now: int | None = None) -> dict[str, Any]:
+    """`batch_now`: the jobs its group's batch runs now (`live_batch_size`), while it runs."""
     placement = record.placement
     return {
         "id": record.id,
@@ -44,7 +46,7 @@ def status_json(record: JobRecord) -> dict[str, Any]:
         "model": record.spec.model,
         "cached_tokens": record.result.cached_tokens if record.result else 0,
         "cache_source": record.result.cache_source if record.result else None,
-        "batch_size": record.result.batch_size if record.result else None,
+        "batch_size": record.result.batch_size if record.result else batch_now,
         "custom_id": record.spec.custom_id,
         "error": record.error,
         "waiting_reason": record.waiting_reason,
@@ -107,7 +109,20 @@ def stats_line(payload: dict[str, Any]) -> str:
     )
 
 
-def describe(record: JobRecord) -> str:
+def live_batch_size(conn: "redis.Redis", record: JobRecord) -> int | None:
+    """While the job decodes: how many jobs its group's batch runs now, it among them (those
+    decoding together and any prefilling to join them: jobs/warm_groups.py). None otherwise
+    (its result then says the most it decoded with)."""
+    from jobs.warm_groups import WarmGroups
+
+    placement = record.placement
+    if record.state != JobState.DECODE or placement is None:
+        return None
+    members = WarmGroups(conn).batch(placement.group_id)
+    return len(members) if record.id in members else None
+
+
+def describe(record: JobRecord, batch_now: int | None = None) -> str:
     where = placement_text(record.placement)
     line = f"{record.id}  {record.kind.value}  {record.state.value}  {where}"
     if record.placement is not None and record.placement.warm:
@@ -128,6 +143,8 @@ def describe(record: JobRecord) -> str:
         line += f"\n  prefix: {record.result.cached_tokens} prompt tokens from {source}"
     if record.result is not None and record.result.batch_size > 1:
         line += f"\n  batch: decoded with up to {record.result.batch_size} sequences at once"
+    elif record.result is None and batch_now is not None and batch_now > 1:
+        line += f"\n  batch: decoding in a batch of {batch_now} jobs now"
     for i, reason in enumerate(record.retry_reasons, 1):
         line += f"\n  retry {i}: {reason}"
     if record.error:

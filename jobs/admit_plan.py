@@ -15,7 +15,9 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
   to compute count against RINGQ_RING_MIN_TOKENS.
 - continuous batching (RINGQ_MAX_BATCH > 1): a generate job first tries to join a busy group of
   its model and layout (`plan_joins`: single, or a ring with replicated KV), growing that
-  group's reservation by the job's KV; where none takes it, the paths above.
+  group's reservation to hold its batch's KV buffer with the job's row in it (every row as
+  long as the longest, rows doubling: jobs/warm_groups.py); where none takes it, the paths
+  above.
 """
 
 import sys
@@ -80,13 +82,13 @@ class Wait:
 
 @dataclass(frozen=True)
 class Join:
-    """A busy group this job may join (continuous batching), if its nodes can hold `grow_bytes`
-    more each."""
+    """A busy group this job may join (continuous batching), if its nodes can hold the batch's
+    buffer with the job's row in it (jobs/warm_groups.py `join` works that out from the row)."""
 
     group: GroupSpec
     plan: GroupPlan
     max_batch: int
-    grow_bytes: int
+    grow_bytes: int  # the job's own row (batch_row_bytes); joining may add more, or nothing
     held_bytes: int  # what the group held per node when offered
 
 

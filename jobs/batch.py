@@ -179,7 +179,8 @@ def cancel_batch(conn: redis.Redis, batch_id: str) -> BatchCancel:
 def output_line(
     entry: BatchEntry, kind: JobKind, result: JobResult, finished_at: float
 ) -> dict[str, Any]:
-    """One OpenAI Batch output line (a chat.completion body) for a finished job."""
+    """One OpenAI Batch output line (a chat.completion body) for a finished job; its usage
+    says, as OpenAI's does, how many prompt tokens came from a kept KV cache."""
     generated = result.generated_tokens
     hit_limit = kind == JobKind.GENERATE and generated >= entry.max_tokens
     body = {
@@ -198,6 +199,7 @@ def output_line(
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": generated,
             "total_tokens": result.prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
         },
     }
     response = {"status_code": 200, "request_id": entry.job_id, "body": body}

@@ -173,12 +173,13 @@ class BatchCache:
 
     def add(self, prompt_cache: list[Any], max_tokens: int) -> int:
         """A prefilled sequence (mlx-lm KVCaches, one per layer) becomes the last row, with
-        room for `max_tokens` more positions."""
+        room for `max_tokens` more positions: its step t (1-based) writes position
+        length + t - 1, and it leaves at step max_tokens at the latest."""
         row = len(self.rows)
         length = prompt_cache[0].offset
         for layer, cache in zip(self.layers, prompt_cache, strict=True):
             keys, values = cache.keys[..., :length, :], cache.values[..., :length, :]
-            layer.put(row, keys, values, length + max_tokens + 1)
+            layer.put(row, keys, values, length + max_tokens)
         self.rows.lengths.append(length)
         self.rows.changed()
         return row

@@ -12,7 +12,8 @@ Design (after reading mlx-lm 0.32's BatchGenerator / BatchKVCache and this engin
 - As in mlx-lm's generate_step, step t + 1 is queued (async_eval) before step t's vote is read
   on the host, so the device never waits for Python; a row that finishes at t wastes one row-step.
 - A row leaves as soon as its vote is read: stop token, max_tokens, or cancel (then only that
-  sequence gets `cancelled`). Its row is freed at once (the last row moves into it).
+  sequence gets `cancelled`). Its row is freed at once (the last row moves into it); the KV
+  buffers keep their size until the last row leaves, and are then dropped.
 - Every rank must add the same sequences in the same order; rows then stay identical on every
   rank, since leaving depends only on the agreed votes.
 Layouts: single and ring with replicated KV (every rank holds every sequence's whole KV; decode
@@ -93,7 +94,8 @@ class BatchDecoder:
             raise ValueError(f"{type(engine).__name__} with this KV layout cannot batch decode")
         self.engine = engine
         self.on_logits = on_logits
-        self.cache = BatchCache(len(engine.model.layers), max_batch or 1)
+        self._slots = max_batch or 1
+        self.cache = BatchCache(len(engine.model.layers), self._slots)
         self._rows: list[_Sequence] = []  # in cache row order
         self._steps = 0
         self._vote: mx.array | None = None  # (2, rows): pending tokens, stop votes (lazy)
@@ -214,8 +216,17 @@ class BatchDecoder:
             self._rows[row] = self._rows[-1]
             self._rows.pop()
         if not self._rows:
+            mx.eval(vote)  # the last row's wasted step lets go of the buffers it reads
+            self._release()
             return None
         return mx.take(vote, mx.array(order), axis=1)
+
+    def _release(self) -> None:
+        """The batch is empty: drop its KV buffers (they only grow while rows come and go) and
+        MLX's cache of freed buffers, so an idle group holds no more than its weights (its
+        reservation's batch share is given back as its last job leaves: jobs/warm_groups.py)."""
+        self.cache = BatchCache(len(self.engine.model.layers), self._slots)
+        mx.clear_cache()
 
 
 def sample_rows(sequences: list[_Sequence], logits: mx.array) -> mx.array:

@@ -31,6 +31,7 @@ from ring_worker.batch_decode import BatchDecoder, DecodeRequest, SequenceResult
 from ring_worker.decode_text import partial_result
 from ring_worker.engine import Cancelled, DecodeResult, Engine
 from ring_worker.job_io import JobIO
+from ring_worker.job_prefix import memory_room
 from ring_worker.job_report import enter
 from ring_worker.prefix_reuse import RankPrefixCache
 from ring_worker.rank_main import (
@@ -114,7 +115,7 @@ class BatchServer:
         enter(io, lead, self.watchdog, JobState.DECODE, len(job.tokens))
         text = DecodeText(io, self.tokenizer, job.spec.stop, lead)
         self.decoder.add(self.request(io, job, text), job.prefill)
-        keep_prefix(self.engine, self.prefix, io, job)  # the batch holds its own copy now
+        keep_beside_batch(self.engine, self.prefix, io, job)
         kept = replace(job, prefill=replace(job.prefill, cache=[], logits=mx.zeros((1,))))
         self.members[io.job_id] = _Member(io, kept, load_s, text)
 
@@ -179,3 +180,16 @@ class BatchServer:
                      ctx.rank, io.job_id)  # fmt: skip
             self.leave(io)
         return ready
+
+
+def keep_beside_batch(
+    engine: Engine, prefix: RankPrefixCache | None, io: JobIO, job: Prefilled
+) -> None:
+    """Keep the prompt's KV as after any job (its disk copy where worth it, a memory copy), now
+    that the batch holds its own copy in a row. The memory copy stays only within the room the
+    group's reservation leaves beside this job's own estimate (ring_worker/memory_tier.py): the
+    row is this job's KV, so a copy beside it is counted by nothing else; a joined job has no
+    room (its placement's bytes are the whole reservation), so its copy leaves memory at once."""
+    keep_prefix(engine, prefix, io, job)
+    if prefix is not None:
+        prefix.bound_memory(memory_room(io))

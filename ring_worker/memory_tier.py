@@ -16,6 +16,12 @@ for the group on that node. The rule:
     (evicted to disk: a prefix worth keeping was written there after its job, and stays
     indexed; jobs/prefix_cache.py says which are).
   The memory tier therefore never holds more than (reservation - the running job's estimate).
+- In a group that decodes in batches (ring_worker/batch_serve.py) the job's KV is copied into a
+  batch row as it joins, and the copy is bounded by the same room at once, not only when the
+  next job starts: the row is the job's own KV, so the copy beside it would be counted twice
+  over nothing. A job that joined a busy batch has no room (jobs/warm_groups.py grew the
+  reservation by its rows only), so a question arriving while a batch decodes reads the
+  prefix from its disk copy.
 - `ringq run` (no service, no reservation) keeps nothing.
 
 The bytes counted are what the copy keeps alive: a view of the finished job's cache keeps its

@@ -5,9 +5,27 @@ import time
 
 from rich.console import Console
 
-from cli.render import describe, nodes_table, result_json, stats_line, status_json
+from cli.render import (
+    describe,
+    live_batch_size,
+    nodes_table,
+    result_json,
+    stats_line,
+    status_json,
+)
+from jobs import keys
 from jobs.lifecycle import JobState
-from jobs.schemas import JobKind, JobRecord, JobResult, JobSpec, NodeInfo, Placement, Progress
+from jobs.schemas import (
+    GroupSpec,
+    JobKind,
+    JobRecord,
+    JobResult,
+    JobSpec,
+    NodeInfo,
+    Placement,
+    Progress,
+)
+from jobs.warm_groups import WarmGroups
 
 STATS = {
     "prompt_tokens": 1032,
@@ -99,3 +117,32 @@ def test_status_shows_the_batch_a_job_decoded_in():
     assert "batch: decoded with up to 3 sequences at once" in text
     assert status_json(record(JobState.FINISHED, result=batched))["batch_size"] == 3
     assert result_json(record(JobState.FINISHED, result=batched))["batch_size"] == 3
+
+
+def test_status_shows_the_batch_a_job_decodes_in_now(redis_conn):
+    """While it decodes: how many jobs its group's batch runs (jobs/warm_groups.py), before
+    its result says the most it decoded with."""
+    group = GroupSpec(
+        group_id="g-live", job_id="j1", model="m", addresses=["127.0.0.1:1"], nodes=["n0"]
+    )
+    warm = WarmGroups(redis_conn)
+    warm.offer(group, 1000)
+    warm.started(group, "j1", row_tokens=256)
+    placement = Placement(
+        strategy="single", ranks=1, nodes=["n0"], group_id="g-live", bytes_per_node=1000
+    )
+    decoding = record(JobState.DECODE, placement=placement)
+    assert live_batch_size(redis_conn, decoding) == 1
+    assert "batch:" not in describe(decoding, live_batch_size(redis_conn, decoding))
+    for other in ("j2", "j3"):
+        assert warm.join(group, other, 8, row_tokens=256) == "joined"
+    now = live_batch_size(redis_conn, decoding)
+    assert now == 3
+    assert "batch: decoding in a batch of 3 jobs now" in describe(decoding, now)
+    assert status_json(decoding, now)["batch_size"] == 3
+    assert live_batch_size(redis_conn, record(JobState.PREFILL, placement=placement)) is None
+    warm.ended(group, "j1")  # left the batch: its result is about to say the rest
+    assert live_batch_size(redis_conn, decoding) is None
+    for other in ("j2", "j3"):
+        warm.ended(group, other)
+    redis_conn.hdel(keys.WARM_GROUPS, "g-live")

@@ -222,7 +222,7 @@ def test_submit_records_the_batch_and_enqueues_every_job(redis_conn):
         submit(redis_conn, [plain("again")])
 
 
-def finish(store, job_id, text="An answer.", generated_tokens=3):
+def finish(store, job_id, text="An answer.", generated_tokens=3, cached_tokens=0):
     for state in (JobState.ADMITTED, JobState.LOADING, JobState.PREFILL):
         store.transition(job_id, state)
     result = JobResult(
@@ -235,6 +235,7 @@ def finish(store, job_id, text="An answer.", generated_tokens=3):
         prefill_s=0.1,
         decode_s=0.1,
         peak_memory_bytes=[1],
+        cached_tokens=cached_tokens,
     )
     store.transition(job_id, JobState.FINISHED, result=result)
 
@@ -250,7 +251,7 @@ def mixed_batch(redis_conn):
     finish(store, ids[0], "First.", generated_tokens=2)
     store.transition(ids[2], JobState.ADMITTED)
     store.transition(ids[2], JobState.LOADING)
-    finish(store, ids[3], "Fourth.", generated_tokens=4)
+    finish(store, ids[3], "Fourth.", generated_tokens=4, cached_tokens=7)
     store.fail(ids[4], "rank 1 died")
     store.transition(ids[5], JobState.CANCELLED, error="stopped by a user")
     return record
@@ -281,8 +282,15 @@ def test_results_are_openai_lines_in_input_order(redis_conn, mixed_batch):
             "finish_reason": "stop",
         }
     ]
-    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
-    assert found.outputs[1]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {
+        "prompt_tokens": 10,
+        "completion_tokens": 2,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    fourth = found.outputs[1]["response"]["body"]
+    assert fourth["choices"][0]["finish_reason"] == "length"
+    assert fourth["usage"]["prompt_tokens_details"] == {"cached_tokens": 7}  # a kept prefix
     assert found.errors == [
         {
             "id": "batch_req_b1-5",

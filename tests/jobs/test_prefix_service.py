@@ -1,10 +1,16 @@
 """Automatic prefix reuse through the service: questions on one document submitted together
 prefill it once (the others wait for that prefill, then start from its kept KV, with no flag),
 answer as the same jobs with RINGQ_PREFIX_CACHE=off (the session cluster), and say where their
-cached tokens came from; `ringq cache list` shows the kept prefix."""
+cached tokens came from; `ringq cache list` shows the kept prefix. Batch lines that share a
+document do the same, and their output lines say how many prompt tokens were cached."""
+
+import json
+from pathlib import Path
 
 import pytest
 
+from jobs.batch import batch_counts, batch_results, get_batch, submit_batch
+from jobs.batch_input import Defaults, parse_batch_lines, require_valid
 from jobs.lifecycle import JobState
 from jobs.prefix_index import PrefixIndex
 from jobs.redis_server import connect
@@ -61,3 +67,27 @@ def test_questions_on_one_document_prefill_it_once(reuse_cluster, cluster, tiny_
     assert [r.result.text for r in reused] == [r.result.text for r in plain]
     [entry] = PrefixIndex(store.conn).listing()
     assert entry.id == reused[0].id and entry.nodes() == reused[0].placement.nodes
+
+
+@pytest.mark.slow
+def test_batch_lines_sharing_a_document_prefill_it_once(reuse_cluster, tiny_llama_dir):
+    document = "A pipeline passes activations from stage to stage. " * 70  # ~700 tokens
+    model = str(tiny_llama_dir)
+    lines = [
+        json.dumps({"custom_id": f"q{n}", "document": document, "prompt": q, "model": model})
+        for n, q in enumerate(QUESTIONS)
+    ]
+    defaults = Defaults(model=None, default_model=model, max_tokens=12, max_document_bytes=10**6)
+    parsed = parse_batch_lines(lines, Path("."), "shared.jsonl", defaults)
+    conn = connect(reuse_cluster.url)
+    batch = submit_batch(conn, require_valid(parsed, skip_invalid=False), "shared.jsonl")
+    wait_for(lambda: batch_counts(conn, get_batch(conn, batch.id)).is_done, "the batch", 300)
+    found = batch_results(conn, batch.id)
+    assert found.errors == [] and len(found.outputs) == len(QUESTIONS)
+    usages = [line["response"]["body"]["usage"] for line in found.outputs]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    # one line prefilled the document (the first admitted); the others started from its KV
+    assert sorted(cached)[0] == 0 and all(c > 500 for c in sorted(cached)[1:]), cached
+    store = JobStore(conn)
+    records = [store.get(entry.job_id) for entry in batch.entries]
+    assert [r.result.cached_tokens for r in records] == cached

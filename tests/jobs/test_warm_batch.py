@@ -78,24 +78,43 @@ def test_every_rank_takes_the_same_words(redis_conn):
     assert warm.joined(group, 0, lambda n: n) == []
 
 
-def test_joining_grows_the_reservation_or_is_refused_and_leaving_shrinks_it(redis_conn):
+def test_joining_grows_the_reservation_to_the_batch_buffer_or_is_refused(redis_conn):
+    """The reservation grows to the buffer after the join: every row as long as the longest,
+    rows doubling (tests/jobs/test_batch_buffer_accounting.py checks it against the real
+    allocation); a row that fits a free one adds nothing; the last job out gives it back."""
     warm, group = WarmGroups(redis_conn), two_ranks()
-    busy(warm, group)
+    warm.offer(group, 1000)
+    warm.started(group, group.job_id, row_tokens=256)
     reservations = Reservations(redis_conn, lease_s=30)
-    base = {node: (1000, 5000) for node in group.nodes}
+    base = {node: (1000, 6000) for node in group.nodes}
     assert reservations.reserve(group.group_id, base) is None
-    assert reservations.reserve("other", {"n1": (2000, 5000)}) is None
-    budget = {node: 5000 for node in group.nodes}
-    assert warm.join(group, "a", 8, grow_bytes=1500, capacity_bytes=budget) == "joined"
-    assert reservations.held("n0")[group.group_id] == 2500
-    # n1: 2000 (other) + 2500 + 1500 > 5000
-    assert warm.join(group, "b", 8, grow_bytes=1500, capacity_bytes=budget) == "no-memory"
-    assert warm.batch(group.group_id) == ["a", "first"]
+    assert reservations.reserve("other", {"n1": (2000, 6000)}) is None
+    budget = {node: 6000 for node in group.nodes}
+
+    def join(job: str, row_bytes: int, row_tokens: int) -> str:
+        return warm.join(group, job, 8, row_bytes, budget, row_tokens)
+
+    def held() -> list[int]:
+        return [reservations.held(n)[group.group_id] for n in group.nodes]
+
+    assert join("a", 600, 256) == "joined"  # 2 rows of 256 positions
+    assert held() == [2200, 2200]
+    # 4 rows (doubled) of 512 positions: 4800; n1: 2000 (other) + 1000 + 4800 > 6000
+    assert join("b", 1200, 512) == "no-memory"
     assert redis_conn.llen(next_key(group.group_id, 0)) == 1  # "b" was not handed over
-    warm.ended(group, "a")
-    assert all(reservations.held(n)[group.group_id] == 1000 for n in group.nodes)
-    reservations.release(group.group_id, "n0")  # the group is gone from n0: nothing to shrink
-    assert warm.join(group, "c", 8, grow_bytes=10, capacity_bytes=budget) == "no"
+    assert join("b", 600, 256) == "joined"  # 4 rows of 256: 2400
+    assert held() == [3400, 3400]
+    assert join("c", 600, 256) == "joined" and held() == [3400, 3400]  # a free row
+    assert warm.batch(group.group_id) == ["a", "b", "c", "first"]
+    for job in ("a", "b", "c"):
+        warm.ended(group, job)
+        assert held() == [3400, 3400]  # the buffer keeps its size while the batch runs
+    warm.ended(group, "first")
+    assert held() == [1000, 1000] and warm.buffer(group.group_id).slots == 0
+    warm.started(group, "next", row_tokens=256)  # the group's next batch starts afresh
+    assert join("d", 600, 256) == "joined" and held() == [2200, 2200]
+    reservations.release(group.group_id, "n0")  # the group is gone from n0: nothing to grow
+    assert join("e", 600, 256) == "no"
 
 
 def test_a_lost_group_retries_every_job_of_its_batch_once(redis_conn, short_tmp_path):

@@ -154,3 +154,24 @@ def test_ring_replicated_batch_matches_alone(tiny_model_dir, tmp_path):
         seen = {k: list(v) for k, v in mx.load(str(tmp_path / f"logits-rank{rank}.npz")).items()}
         tokens = json.loads((tmp_path / f"tokens-rank{rank}.json").read_text())
         check_against_alone(tiny_model_dir, seen, tokens)
+
+
+def test_an_emptied_batch_lets_go_of_its_buffers(tiny_model_dir):
+    """When the last row leaves, the batch's KV buffers are freed (not kept at their peak size
+    by an idle warm group); the next sequence starts a fresh, small buffer."""
+    engine = Engine(model_at(tiny_model_dir))
+    decoder = BatchDecoder(engine)
+    mx.clear_cache()
+    before_bytes = mx.get_active_memory()
+    decoder.add(*request(engine, "long", 700, 6))
+    decoder.add(*request(engine, "short", 7, 6))
+    peak_bytes = decoder.cache.layers[0].nbytes * len(decoder.cache.layers)
+    assert peak_bytes > 0
+    decoder.run()
+    assert decoder.cache.state() == []
+    assert mx.get_active_memory() - before_bytes < peak_bytes / 4
+    assert mx.get_cache_memory() < peak_bytes / 4  # MLX's cache of freed buffers too
+    decoder.add(*request(engine, "next", 7, 4))  # a fresh buffer: one row of 256 positions
+    rows, _, positions, _ = decoder.cache.layers[0].keys.shape
+    assert (rows, positions) == (1, 256)
+    assert [r.tokens for r in decoder.run()] == [alone(tiny_model_dir, 7, 4)[0]]

@@ -1,0 +1,106 @@
+"""What a joining job adds to its group's reservation (jobs/warm_groups.py `join`, from
+admission.estimate `batch_row_bytes`) matches what the decode batch really allocates
+(ring_worker/batch_cache.py): every row is as long as the longest row the batch has held, and
+rows double as jobs join a full buffer. Table test: a real Redis counts, a real BatchDecoder
+(tiny float32 model) allocates, through the same joins and leaves of mixed lengths."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from admission.estimate import MARGIN, Layout, batch_row_bytes, batch_row_tokens
+from jobs.model_catalog import read_model_shape, resolve_model
+from jobs.reservations import Reservations
+from jobs.schemas import GroupSpec
+from jobs.warm_groups import WarmGroups
+from ring_worker.batch_decode import BatchDecoder, DecodeRequest
+from ring_worker.engine import Engine
+from tests.ring_worker.equivalence_rank import prompt_tokens
+from tests.ring_worker.tiny import load_tiny, save_tiny
+
+BASE_BYTES = 10**6  # the group's reservation for its first job (weights, KV, prefill tensors)
+BUDGET_BYTES = 10**9
+
+
+@dataclass(frozen=True)
+class Row:
+    prompt_tokens: int
+    max_tokens: int
+    join_step: int  # the first row starts the group at step 0; the others join
+
+
+CASES = {
+    "equal lengths double the rows": [Row(100, 20, 0), Row(100, 20, 1), Row(100, 20, 2)],
+    "a short first row is padded to a long joiner": [Row(10, 8, 0), Row(600, 8, 2)],
+    "prompt and answer fill whole steps": [Row(200, 56, 0), Row(100, 5, 1)],
+    "short rows join a long one and reuse freed rows": [
+        Row(700, 30, 0),
+        Row(5, 4, 0),
+        Row(5, 4, 6),
+        Row(300, 4, 6),
+        Row(20, 10, 12),
+    ],  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = save_tiny(tmp_path_factory.mktemp("llama"), "llama", layers=2)
+    shape = read_model_shape(resolve_model(str(path), allowed_dirs=None), dtype="float32")
+    return Engine(load_tiny(path)), shape
+
+
+def group() -> GroupSpec:
+    return GroupSpec(
+        group_id="acct", job_id="row0", model="tiny", addresses=["127.0.0.1:1"], nodes=["n0"]
+    )
+
+
+@pytest.mark.parametrize("rows", CASES.values(), ids=CASES.keys())
+def test_joins_reserve_what_the_batch_allocates(redis_conn, tiny, rows):
+    engine, shape = tiny
+    warm, spec = WarmGroups(redis_conn), group()
+    reservations = Reservations(redis_conn, lease_s=30)
+    assert reservations.reserve(spec.group_id, {"n0": (BASE_BYTES, BUDGET_BYTES)}) is None
+    warm.offer(spec, BASE_BYTES)
+    decoder = BatchDecoder(engine)
+
+    def extra_bytes() -> int:
+        return reservations.held("n0").get(spec.group_id, 0) - BASE_BYTES
+
+    def check() -> None:
+        allocated = sum(a.nbytes for a in decoder.cache.state())
+        if len(warm.batch(spec.group_id)) <= 1 and extra_bytes() == 0:
+            first = rows[0]  # alone: its own estimate (the base) holds its row
+            own = batch_row_bytes(shape, first.prompt_tokens, first.max_tokens, Layout("single"))
+            assert allocated <= own
+            return
+        assert allocated <= extra_bytes() <= allocated * MARGIN + 1
+
+    try:
+        step, joined = 0, set()
+        while step <= max(r.join_step for r in rows) or decoder.busy:
+            for index, row in enumerate(rows):
+                if row.join_step != step:
+                    continue
+                key, positions = f"row{index}", batch_row_tokens(row.prompt_tokens, row.max_tokens)
+                if index == 0:
+                    warm.started(spec, key, positions)
+                else:
+                    own = batch_row_bytes(
+                        shape, row.prompt_tokens, row.max_tokens, Layout("single")
+                    )
+                    assert warm.join(spec, key, 8, own, {"n0": BUDGET_BYTES}, positions) == "joined"
+                prefill = engine.prefill(prompt_tokens(row.prompt_tokens), 256)
+                decoder.add(DecodeRequest(key, row.max_tokens), prefill)
+                joined.add(key)
+                check()
+            for result in decoder.step():
+                warm.ended(spec, result.key)
+            check()
+            step += 1
+        assert len(joined) == len(rows) and warm.batch(spec.group_id) == []
+        assert extra_bytes() == 0 and warm.buffer(spec.group_id).slots == 0  # all given back
+    finally:
+        reservations.release(spec.group_id, "n0")
+        redis_conn.delete(*[k for k in redis_conn.keys("ringq:*acct*")])

@@ -1,0 +1,65 @@
+"""In a group that decodes in batches, a job's prompt KV is copied into a batch row; the memory
+tier's copy of the same KV stays beside it only within the room its reservation leaves
+(ring_worker/batch_serve.py `keep_beside_batch`, ring_worker/memory_tier.py). Its disk copy is
+kept either way. A real Redis, real files and a tiny float32 model."""
+
+import time
+import uuid
+
+import pytest
+
+from jobs.lifecycle import JobState
+from jobs.schemas import JobKind, JobSpec, Placement
+from jobs.store import JobStore
+from ring_worker.batch_decode import BatchDecoder, DecodeRequest
+from ring_worker.batch_serve import keep_beside_batch
+from ring_worker.engine import Engine
+from ring_worker.job_io import RedisJobIO
+from ring_worker.rank_main import Prefilled
+from tests.ring_worker.prefix_rank import CHUNK_TOKENS, MAX_TOKENS
+from tests.ring_worker.test_prefix_reuse import DOC, forget, question, single_cache
+from tests.ring_worker.tiny import load_tiny, save_tiny
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("llama"), "llama", layers=2)
+
+
+def placed_job(store: JobStore, reserved_bytes: int, own_bytes: int) -> RedisJobIO:
+    job_id = f"bm-{uuid.uuid4().hex[:8]}"
+    store.create(job_id, JobSpec(kind=JobKind.GENERATE, document="d", prompt="q", model="m"))
+    placement = Placement(
+        strategy="single", ranks=1, nodes=["node0"], group_id="g",
+        bytes_per_node=reserved_bytes, job_bytes_per_node=own_bytes,
+    )  # fmt: skip
+    store.transition(job_id, JobState.ADMITTED, placement=placement)
+    return RedisJobIO(store, job_id, "g")
+
+
+@pytest.mark.parametrize("room", ["none", "enough"])
+def test_the_memory_copy_beside_a_batch_row_stays_only_within_the_room(
+    model_dir, redis_conn, tmp_path, room
+):
+    engine = Engine(load_tiny(model_dir))
+    prefix = single_cache(model_dir, redis_conn, tmp_path, engine)
+    tokens = DOC + question(1)
+    spec = JobSpec(kind=JobKind.GENERATE, document="d", prompt="q", model="m")
+    prefill = engine.prefill(tokens, CHUNK_TOKENS)
+    job = Prefilled(spec, tokens, prefill, None, time.time(), lambda *_: None, True)
+    decoder = BatchDecoder(engine)
+    decoder.add(DecodeRequest("bm", MAX_TOKENS), prefill)  # the row: a copy of its KV
+    held_bytes = sum(c.keys.nbytes + c.values.nbytes for c in prefill.cache)
+    own = 10**9
+    io = placed_job(JobStore(redis_conn), own + (held_bytes if room == "enough" else 0), own)
+    try:
+        keep_beside_batch(engine, prefix, io, job)
+        if room == "none":  # a fresh group, or a job that joined a busy batch
+            assert prefix.memory is None
+        else:  # a warm group that held more for an earlier, larger job
+            assert prefix.memory is not None and prefix.memory.bytes <= held_bytes
+        [entry] = [e for e in prefix.index.listing() if e.model_key == prefix.model_key]
+        assert entry.id == io.job_id and entry.tokens == len(tokens)  # on disk either way
+        decoder.run()
+    finally:
+        forget(redis_conn, model_dir)
