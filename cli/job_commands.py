@@ -9,7 +9,7 @@ import click
 from admission.vocabulary import STRATEGY_CHOICES
 from cli.common import client, echo_json, expand_files
 from cli.options import build_spec, renamed_option, submit_job_options
-from cli.render import describe, result_json, status_json
+from cli.render import describe, live_batch_size, result_json, status_json
 from jobs.lifecycle import JobState
 from jobs.schemas import JobKind
 
@@ -94,10 +94,11 @@ def status(job_id, follow, as_json):
         record = watch(ringq.store, job_id, Console(stderr=True))
     else:
         record = ringq.status(job_id)
+    batch_now = live_batch_size(ringq.conn, record)
     if as_json:
-        echo_json(status_json(record))
+        echo_json(status_json(record, batch_now))
     else:
-        click.echo(describe(record))
+        click.echo(describe(record, batch_now))
 
 
 @click.command()
