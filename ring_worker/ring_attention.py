@@ -142,8 +142,11 @@ def visibility(query_block: int, key_block: int) -> str:
     return "causal" if key_block == query_block else "none"
 
 
-def project_qkv(attn: nn.Module, x: mx.array, offset: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Q/K/V of mlx-lm's Llama or Qwen3 attention, RoPE applied at absolute positions."""
+def project_qkv(
+    attn: nn.Module, x: mx.array, offset: int | mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Q/K/V of mlx-lm's Llama or Qwen3 attention, RoPE applied at absolute positions (one
+    offset, or one per row of a decode batch)."""
     batch, length, _ = x.shape
     q = attn.q_proj(x).reshape(batch, length, attn.n_heads, -1)
     k = attn.k_proj(x).reshape(batch, length, attn.n_kv_heads, -1)

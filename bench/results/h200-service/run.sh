@@ -3,6 +3,10 @@
 #   bash bench/results/h200-service/run.sh service     # ringq up defaults: cold/warm, warm-up off
 #   bash bench/results/h200-service/run.sh demo        # ringq demo on one GPU; rank start profile
 #   bash bench/results/h200-service/run.sh calibrate   # GPU peak probe, admission calibration
+#   bash bench/results/h200-service/run.sh pacing      # peak and speed, prefill paced or not
+#   bash bench/results/h200-service/run.sh decode      # one sequence vs mlx-lm; 32 rows vs BatchGenerator
+#   bash bench/results/h200-service/run.sh prefix      # a 128K document x 8 questions, reuse on/off
+#   bash bench/results/h200-service/run.sh batch       # 32 generate jobs, RINGQ_MAX_BATCH=32 vs 1
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -34,6 +38,28 @@ PY
       (cd /tmp && RINGQ_HOME=/tmp/demo-home timeout 240 python3 -m cli.main demo \
         --model random:tiny-llama --max-tokens 16) > "$out/demo.txt" 2>&1
       echo "demo exit $?" >> "$out/demo.txt"
+      ;;
+    pacing)
+      for m in random:llama-3.1-8b random:llama-3.2-1b; do
+        python3 -m bench.gpu_peak_probe --model $m --paced 0,2 \
+          --cells 8192:8192,32768:16384,131072:16384 --out "$out/probe-paced-${m#random:}.json"
+      done
+      ;;
+    decode)
+      python3 -m bench.batch_decode --model $model --part single --max-tokens 256 \
+        --prompt-tokens 4096 --chunk-tokens 4096 --out "$out/batch-decode-h200-single.json"
+      python3 -m bench.batch_decode --model $model --part paired-batch --sequences 32 \
+        --prompt-tokens 4096 --max-tokens 256 --chunk-tokens 4096 \
+        --out "$out/batch-decode-h200-paired-256.json"
+      ;;
+    prefix)
+      timeout 560 python3 -m bench.prefix_reuse --service --model $model --doc-tokens 130000 \
+        --questions 8 --max-tokens 32 --nodes 1 --cache-bytes 40000000000 \
+        --out "$out/prefix-reuse-service-h200.json"
+      ;;
+    batch)
+      timeout 400 python3 -m bench.batch_service --model $model --jobs 32 --doc-tokens 4096 \
+        --max-tokens 256 --max-batch 32 --out "$out/batch-service-h200.json"
       ;;
     calibrate)
       for m in random:llama-3.2-1b $model; do
