@@ -104,8 +104,13 @@ class NodeAgent:
 
     def info(self) -> NodeInfo:
         """Memory admission may plan with: the GPU's on CUDA nodes, host memory elsewhere."""
-        cuda = cuda_memory_bytes() if self.backend == "cuda" else None
-        free, total = cuda or (psutil.virtual_memory().available, psutil.virtual_memory().total)
+        host = psutil.virtual_memory()
+        free, total = node_memory_bytes(
+            self.backend,
+            self.gpu,
+            cuda_memory_bytes() if self.backend == "cuda" else None,
+            (host.available, host.total),
+        )
         limit = min(self.memory_limit_bytes or total, total)
         available = min(limit, free)
         device = "cpu" if self.gpu is None else f"cuda:{self.gpu} {gpu_name(self.gpu)}".strip()
@@ -262,8 +267,14 @@ class NodeAgent:
             log.warning("job %s: %s (%s)", job_id, reason, outcome or "already handled")
 
     def run(self) -> None:
-        """Serve until SIGINT/SIGTERM; then stop every rank this agent started."""
+        """Register (or stop with a clear error), then serve until SIGINT/SIGTERM; then stop
+        every rank this agent started."""
         self.claim_gpu()
+        try:
+            self.store.put_node(self.info(), self.settings.node_ttl_s)
+        except RingqError:
+            self.release_gpu()
+            raise
         if self.standby is not None:
             self.standby.start()
         threads = [
@@ -302,6 +313,30 @@ def start_rank(group: dict, rank: int) -> str:
     spec = GroupSpec.model_validate(group)
     started = _agent.start_rank(spec, rank)
     return f"{'started' if started else 'skipped'} rank {rank} of group {spec.group_id}"
+
+
+def node_memory_bytes(
+    backend: str,
+    gpu: str | None,
+    gpu_memory: tuple[int, int] | None,
+    host_memory: tuple[int, int],
+) -> tuple[int, int]:
+    """(free, total) bytes a node offers: its GPU's on CUDA nodes, host memory elsewhere. A
+    CUDA node whose GPU cannot be read (gone, or none visible) is an error, never host memory
+    passed off as the GPU's."""
+    if backend != "cuda":
+        return host_memory
+    if gpu is None:
+        raise RingqError(
+            "RINGQ_BACKEND is cuda but this node sees no GPU (check CUDA_VISIBLE_DEVICES and "
+            "nvidia-smi, or set RINGQ_BACKEND=cpu)"
+        )
+    if gpu_memory is None:
+        raise RingqError(
+            f"GPU {gpu}: its memory cannot be read (nvidia-smi --id={gpu}): is the GPU still "
+            "there? Check nvidia-smi, or start the node on another GPU (`ringq node --gpus N`)"
+        )
+    return gpu_memory
 
 
 def rank_backend(group: GroupSpec, rank: int, node_backend: str) -> str:

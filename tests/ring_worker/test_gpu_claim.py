@@ -1,14 +1,16 @@
 """Two node agents on one GPU (ring_worker/node_agent.py::NodeAgent.claim_gpu), in a real Redis:
-the second gets a clear error at registration, a heartbeat never takes a GPU another agent claimed
-after the first one's claim expired, and stopping frees only a claim that is still the agent's.
-The GPU is forced the way a pinned `ringq node --gpus 0` sees it: RINGQ_BACKEND=cuda and
-CUDA_VISIBLE_DEVICES=0 (no GPU is touched: claiming is Redis only)."""
+the second gets a clear error at registration, a heartbeat never takes a GPU another agent
+claimed after the first one's claim expired, and stopping frees only a claim that is still the
+agent's. An agent whose GPU cannot be read stops at registration too. The GPU is forced the way
+a pinned `ringq node --gpus 0` sees it: RINGQ_BACKEND=cuda and CUDA_VISIBLE_DEVICES=0 (claiming
+is Redis only; no GPU is touched)."""
 
 import pytest
 
 from jobs import keys
 from jobs.errors import RingqError
 from jobs.settings import Settings
+from ring_worker.devices import cuda_memory_bytes
 from ring_worker.node_agent import NodeAgent
 
 
@@ -58,3 +60,13 @@ def test_an_agent_that_shares_its_gpu_claims_nothing(agents, redis_url, short_tm
     sharing = NodeAgent("c", first.conn, redis_url, first.settings, share_gpu=True)
     sharing.claim_gpu()
     assert owner_of(first) == b"a"
+
+
+def test_an_agent_whose_gpu_cannot_be_read_stops_at_registration(agents):
+    first, _ = agents
+    if cuda_memory_bytes("0") is not None:
+        pytest.skip("GPU 0 is readable here: the agent would register and serve")
+    with pytest.raises(RingqError, match=r"^GPU 0: its memory cannot be read"):
+        first.run()
+    assert owner_of(first) is None  # its claim is given back
+    assert first.store.live_nodes() == []
