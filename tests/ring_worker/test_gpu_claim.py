@@ -23,7 +23,7 @@ def agents(redis_conn, redis_url, short_tmp_path, monkeypatch) -> tuple[NodeAgen
     return first, second
 
 
-def owner_of(agent: NodeAgent) -> bytes | None:
+def owner_of(agent: NodeAgent) -> object:
     assert agent.gpu is not None
     return agent.conn.get(keys.gpu_owner(agent.host, agent.gpu))
 
