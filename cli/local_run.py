@@ -6,7 +6,7 @@ from typing import cast
 import click
 from rich.console import Console
 
-from admission.vocabulary import STRATEGIES, Exchange
+from admission.vocabulary import EXCHANGES, KV_LAYOUTS, STRATEGIES, Exchange
 from cli.common import echo_json, interrupt_on_sigterm
 from cli.options import build_spec, chunk_tokens_option, job_options, renamed_option
 from cli.render import live_progress, print_result
@@ -42,20 +42,19 @@ from ring_worker.local_group import LocalRunError, run_local
 @chunk_tokens_option
 @click.option(
     "--exchange",
-    type=click.Choice(["auto", "rotate", "allgather"]),
+    type=click.Choice(["auto", *EXCHANGES]),
     default=None,
     help="How ring ranks share K/V blocks (default RINGQ_EXCHANGE: auto = allgather over NCCL "
     "when every rank has a GPU of its own, rotate elsewhere).",
 )
 @click.option(
     "--kv-layout",
-    "--decode-kv",  # the old name, still accepted
-    "kv_layout",
-    type=click.Choice(["replicated", "sharded"]),
+    type=click.Choice(KV_LAYOUTS),
     default="replicated",
     show_default=True,
     help="KV layout on the ring's ranks.",
 )
+@renamed_option("--decode-kv", "--kv-layout", "kv_layout", type=click.Choice(KV_LAYOUTS))
 def run(
     kind,
     file,
@@ -102,9 +101,7 @@ def run(
             strategy=strategy,
             blas=settings.blas,
             backend=settings.backend,
-            exchange=None
-            if (exchange or settings.exchange) == "auto"
-            else exchange or settings.exchange,
+            exchange=forced_exchange(exchange or settings.exchange),
             kv_layout=kv_layout,
             on_progress=on_progress,
             stop=stop,
