@@ -1,12 +1,12 @@
 """`ringq run`: the same engine on local rank processes, no Redis."""
 
 import threading
-from typing import cast
+from typing import Literal, cast
 
 import click
 from rich.console import Console
 
-from admission.vocabulary import EXCHANGES, KV_LAYOUTS, STRATEGIES, Exchange
+from admission.vocabulary import EXCHANGES, KV_LAYOUTS, STRATEGIES, Exchange, KVLayout
 from cli.common import echo_json, interrupt_on_sigterm
 from cli.options import build_spec, chunk_tokens_option, job_options, renamed_option
 from cli.render import live_progress, print_result
@@ -50,9 +50,9 @@ from ring_worker.local_group import LocalRunError, run_local
 @click.option(
     "--kv-layout",
     type=click.Choice(KV_LAYOUTS),
-    default="replicated",
-    show_default=True,
-    help="KV layout on the ring's ranks.",
+    default=None,
+    help="KV layout on the ring's ranks (default RINGQ_KV_LAYOUT; its auto is replicated here: "
+    "`ringq run` reserves no memory to choose by).",
 )
 @renamed_option("--decode-kv", "--kv-layout", "kv_layout", type=click.Choice(KV_LAYOUTS))
 def run(
@@ -102,7 +102,7 @@ def run(
             blas=settings.blas,
             backend=settings.backend,
             exchange=forced_exchange(exchange or settings.exchange),
-            kv_layout=kv_layout,
+            kv_layout=run_kv_layout(kv_layout, settings.kv_layout),
             on_progress=on_progress,
             stop=stop,
         ),
@@ -127,6 +127,14 @@ def run(
 
 def forced_exchange(choice: str) -> Exchange | None:
     return None if choice == "auto" else cast(Exchange, choice)
+
+
+def run_kv_layout(flag: KVLayout | None, setting: Literal["auto", KVLayout]) -> KVLayout:
+    """--kv-layout, else RINGQ_KV_LAYOUT, whose "auto" (replicated where it fits) is replicated:
+    without admission nothing says it would not fit."""
+    if flag is not None:
+        return flag
+    return "replicated" if setting == "auto" else setting
 
 
 def run_with_progress(work, first: Progress, console: Console | None):
