@@ -12,6 +12,7 @@ from pathlib import Path
 import redis
 
 from admission.vocabulary import Strategy
+from jobs import keys
 from jobs.batch import submit_batch
 from jobs.batch_input import BatchItem, Defaults, describe_errors, parse_batch_file
 from jobs.lifecycle import JobState
@@ -150,7 +151,7 @@ def submit_load(conn: redis.Redis, load: Load, settings: Settings) -> list[str]:
 def job_states(conn: redis.Redis, job_ids: list[str]) -> dict[str, JobState]:
     with conn.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
-            pipe.hget(f"ringq:job:{job_id}", "state")
+            pipe.hget(keys.job(job_id), "state")
         raw = pipe.execute()
     return {i: JobState(json.loads(s)) for i, s in zip(job_ids, raw, strict=True) if s}
 

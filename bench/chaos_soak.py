@@ -195,7 +195,7 @@ def cancel_due(conn, progress: Progress, states: dict[str, JobState]) -> None:
             del progress.cancel_at[job_id]
             if not states[job_id].is_final:
                 with suppress(RingqError):  # it ended meanwhile
-                    cancel_job(conn, job_id)
+                    cancel_job(JobStore(conn), job_id)
 
 
 def step_faults(injector, config: SoakConfig, progress: Progress, rng, pending: bool) -> None:

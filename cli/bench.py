@@ -22,8 +22,8 @@ from admission.group_plan import default_chunk_tokens
 from cli.bench_machine import machine_info, mfu, probe_matmul_tflops
 from cli.bench_plot import write_plot
 from cli.bench_report import (
-    DECODE_KV_LAYOUTS,
     EXCHANGES,
+    KV_LAYOUTS,
     STRATEGIES,
     Cell,
     CellFailed,
@@ -109,12 +109,18 @@ def list_option(parse):
     help="Ring K/V exchanges, comma-separated: " + ", ".join(EXCHANGES) + ".",
 )
 @click.option(
-    "--decode-kv",
-    "decode_kvs",
+    "--kv-layout",
+    "kv_layouts",
     default="replicated",
     show_default=True,
-    callback=list_option(lambda v: parse_choices(v, DECODE_KV_LAYOUTS)),
-    help="Ring decode KV layouts, comma-separated: " + ", ".join(DECODE_KV_LAYOUTS) + ".",
+    callback=list_option(lambda v: parse_choices(v, KV_LAYOUTS)),
+    help="Ring KV layouts, comma-separated: " + ", ".join(KV_LAYOUTS) + ".",
+)
+@renamed_option(
+    "--decode-kv",
+    "--kv-layout",
+    "kv_layouts",
+    callback=list_option(lambda v: parse_choices(v, KV_LAYOUTS)),
 )
 @click.option(
     "--warmup",
@@ -154,7 +160,7 @@ def bench(
     strategies,
     ranks,
     exchanges,
-    decode_kvs,
+    kv_layouts,
     warmup,
     repeat,
     chunk_tokens,
@@ -165,7 +171,7 @@ def bench(
 ):
     """Prompt (pp) and generation (tg) tok/s of every strategy cell, with ratios to `single`.
 
-    Cells are pp x strategy (x exchange x decode-kv for ring); each runs --warmup + --repeat
+    Cells are pp x strategy (x exchange x kv-layout for ring); each runs --warmup + --repeat
     times on local rank processes. A cell that fails is reported with its reason; the exit code
     is 1 only when every cell failed.
     """
@@ -178,7 +184,8 @@ def bench(
         "strategy": strategies,
         "ranks": ranks,
         "exchange": exchanges,
-        "decode_kv": decode_kvs,
+        "kv_layout": kv_layouts,
+        "decode_kv": kv_layouts,  # deprecated: kv_layout's old name, for older readers
         "warmup": warmup,
         "repeat": repeat,
         "chunk_tokens": chunk_tokens
@@ -206,7 +213,7 @@ def measure(
         config["strategy"],
         config["ranks"],
         config["exchange"],
-        config["decode_kv"],
+        config["kv_layout"],
     )
     report: dict[str, Any] = {
         "command": shlex.join(["ringq", *sys.argv[1:]]),
@@ -303,7 +310,7 @@ def run_cell(
             scratch_root=scratch,
             strategy=cell.strategy,
             exchange=cell.exchange,
-            kv_layout=cell.decode_kv or "replicated",
+            kv_layout=cell.kv_layout or "replicated",
             blas=blas,
             timeout_s=config["timeout_s"],
         )

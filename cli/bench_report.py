@@ -1,6 +1,6 @@
 """Pure parts of `ringq bench`: which cells to run, in what order, and what their runs add up to.
 
-A cell is one (prompt length, strategy, ranks, exchange, decode KV layout). Every cell is measured
+A cell is one (prompt length, strategy, ranks, exchange, KV layout). Every cell is measured
 in the same invocation, so its ratios to the `single` cell (ringq on one device) and the `mlx-lm`
 cell (plain mlx-lm on one device) of the same prompt length compare runs made under the same
 conditions.
@@ -20,7 +20,7 @@ from jobs.schemas import JobResult
 STRATEGIES = ("single", "ring", "pipeline", "mlx-lm")
 BASELINES = ("single", "mlx-lm")
 EXCHANGES = vocabulary.EXCHANGES
-DECODE_KV_LAYOUTS = vocabulary.KV_LAYOUTS
+KV_LAYOUTS = vocabulary.KV_LAYOUTS
 MIB = 1024 * 1024
 
 Strategy = vocabulary.Strategy | Literal["mlx-lm"]  # a cell: ringq's strategies or plain mlx-lm
@@ -32,7 +32,7 @@ class Cell:
     strategy: Strategy
     ranks: int
     exchange: Exchange | None = None  # ring only
-    decode_kv: KVLayout | None = None  # ring only
+    kv_layout: KVLayout | None = None  # ring only
 
     @property
     def label(self) -> str:
@@ -41,7 +41,7 @@ class Cell:
             return self.strategy
         if self.strategy == "pipeline":
             return f"pipeline-{self.ranks}"
-        return f"ring-{self.ranks} {self.exchange}/{self.decode_kv}"
+        return f"ring-{self.ranks} {self.exchange}/{self.kv_layout}"
 
 
 @dataclass
@@ -76,9 +76,9 @@ def plan_cells(
     strategies: Iterable[str],
     ranks: int,
     exchanges: Iterable[str],
-    decode_kvs: Iterable[str],
+    kv_layouts: Iterable[str],
 ) -> list[Cell]:
-    """The cartesian product, where exchange and decode KV apply only to ring cells."""
+    """The cartesian product, where exchange and KV layout apply only to ring cells."""
     cells = []
     for pp in pp_list:
         for strategy in strategies:
@@ -90,7 +90,7 @@ def plan_cells(
                 cells.extend(
                     Cell(pp, "ring", ranks, cast(Exchange, exchange), cast(KVLayout, kv))
                     for exchange in exchanges
-                    for kv in decode_kvs
+                    for kv in kv_layouts
                 )
     return cells
 
@@ -145,7 +145,8 @@ def summarize(outcome: CellOutcome, baseline_tps: dict[str, float]) -> dict[str,
         "strategy": cell.strategy,
         "ranks": cell.ranks,
         "exchange": cell.exchange,
-        "decode_kv": cell.decode_kv,
+        "kv_layout": cell.kv_layout,
+        "decode_kv": cell.kv_layout,  # deprecated: kv_layout's old name, for older readers
         "status": "ok" if ok else "failed",
         "error": outcome.error,
         "prompt_tps": prompt,

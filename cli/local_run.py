@@ -1,12 +1,12 @@
 """`ringq run`: the same engine on local rank processes, no Redis."""
 
 import threading
-from typing import cast
+from typing import Literal, cast
 
 import click
 from rich.console import Console
 
-from admission.vocabulary import STRATEGIES, Exchange
+from admission.vocabulary import EXCHANGES, KV_LAYOUTS, STRATEGIES, Exchange, KVLayout
 from cli.common import echo_json, interrupt_on_sigterm
 from cli.options import build_spec, chunk_tokens_option, job_options, renamed_option
 from cli.render import live_progress, print_result
@@ -42,20 +42,19 @@ from ring_worker.local_group import LocalRunError, run_local
 @chunk_tokens_option
 @click.option(
     "--exchange",
-    type=click.Choice(["auto", "rotate", "allgather"]),
+    type=click.Choice(["auto", *EXCHANGES]),
     default=None,
     help="How ring ranks share K/V blocks (default RINGQ_EXCHANGE: auto = allgather over NCCL "
     "when every rank has a GPU of its own, rotate elsewhere).",
 )
 @click.option(
     "--kv-layout",
-    "--decode-kv",  # the old name, still accepted
-    "kv_layout",
-    type=click.Choice(["replicated", "sharded"]),
-    default="replicated",
-    show_default=True,
-    help="KV layout on the ring's ranks.",
+    type=click.Choice(KV_LAYOUTS),
+    default=None,
+    help="KV layout on the ring's ranks (default RINGQ_KV_LAYOUT; its auto is replicated here: "
+    "`ringq run` reserves no memory to choose by).",
 )
+@renamed_option("--decode-kv", "--kv-layout", "kv_layout", type=click.Choice(KV_LAYOUTS))
 def run(
     kind,
     file,
@@ -102,10 +101,8 @@ def run(
             strategy=strategy,
             blas=settings.blas,
             backend=settings.backend,
-            exchange=None
-            if (exchange or settings.exchange) == "auto"
-            else exchange or settings.exchange,
-            kv_layout=kv_layout,
+            exchange=forced_exchange(exchange or settings.exchange),
+            kv_layout=run_kv_layout(kv_layout, settings.kv_layout),
             on_progress=on_progress,
             stop=stop,
         ),
@@ -130,6 +127,14 @@ def run(
 
 def forced_exchange(choice: str) -> Exchange | None:
     return None if choice == "auto" else cast(Exchange, choice)
+
+
+def run_kv_layout(flag: KVLayout | None, setting: Literal["auto", KVLayout]) -> KVLayout:
+    """--kv-layout, else RINGQ_KV_LAYOUT, whose "auto" (replicated where it fits) is replicated:
+    without admission nothing says it would not fit."""
+    if flag is not None:
+        return flag
+    return "replicated" if setting == "auto" else setting
 
 
 def run_with_progress(work, first: Progress, console: Console | None):

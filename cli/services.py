@@ -329,11 +329,10 @@ def parse_gpus(value: str | None) -> list[str]:
 
 def run_node_per_gpu(name: str, gpus: list[str], argv: list[str]) -> int:
     """`--gpus 0,1`: one node agent per GPU, as child processes; returns the first failure."""
-    base = [arg for arg in argv if not arg.startswith("--gpus") and arg not in gpus]
-    children = []
-    for gpu in gpus:
-        args = [*strip_option(base, "--name"), "--name", f"{name}-gpu{gpu}", "--gpus", gpu]
-        children.append(subprocess.Popen([sys.executable, "-m", "cli.main", *args]))
+    children = [
+        subprocess.Popen([sys.executable, "-m", "cli.main", *child_argv(name, gpu, argv)])
+        for gpu in gpus
+    ]
     try:
         codes = [child.wait() for child in children]
     except KeyboardInterrupt:
@@ -343,7 +342,15 @@ def run_node_per_gpu(name: str, gpus: list[str], argv: list[str]) -> int:
     return next((code for code in codes if code), 0)
 
 
+def child_argv(name: str, gpu: str, argv: list[str]) -> list[str]:
+    """The `ringq node` arguments of the agent for one of several GPUs: the parent's, with
+    its --name and --gpus (either form, `--gpus 0,1` or `--gpus=0,1`) replaced."""
+    base = strip_option(strip_option(argv, "--gpus"), "--name")
+    return [*base, "--name", f"{name}-gpu{gpu}", "--gpus", gpu]
+
+
 def strip_option(argv: list[str], option: str) -> list[str]:
+    """`argv` without `option` and its value, given as `option VALUE` or `option=VALUE`."""
     out, skip = [], False
     for arg in argv:
         if skip:

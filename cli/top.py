@@ -14,6 +14,7 @@ from cli.common import echo_json, redis_connection
 from cli.render import format_eta, nodes_table, placement_text
 from cli.supervisor import services_line
 from jobs.overview import Overview, QueueRow, RunningJob, take_overview
+from jobs.store import JobStore
 
 
 @click.command()
@@ -32,9 +33,9 @@ def top(once: bool, as_json: bool, interval_s: float) -> None:
     running jobs, queued jobs with why they wait, idle warm groups (Ctrl-C quits)."""
     conn = redis_connection()
     if as_json:
-        echo_json(take_overview(conn).model_dump(mode="json"))
+        echo_json(take_overview(JobStore(conn)).model_dump(mode="json"))
     elif once:
-        Console().print(render_overview(take_overview(conn)))
+        Console().print(render_overview(take_overview(JobStore(conn))))
     else:
         follow(conn, interval_s, Console())
 
@@ -47,12 +48,13 @@ def follow(
 ) -> None:
     """Redraw in place until Ctrl-C; a full-screen view so a long job list does not scroll (it is
     cut at the bottom of the terminal). Redrawn once per snapshot, not by rich's refresh thread."""
-    first = render_overview(take_overview(conn))
+    store = JobStore(conn)
+    first = render_overview(take_overview(store))
     with Live(first, console=console, screen=True, auto_refresh=False) as live:
         try:
             while True:
                 pause(interval_s)
-                live.update(render_overview(take_overview(conn)), refresh=True)
+                live.update(render_overview(take_overview(store)), refresh=True)
         except KeyboardInterrupt:
             pass
 

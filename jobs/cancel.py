@@ -72,17 +72,16 @@ return {cancelled, stopping, final}
 )
 
 
-def cancel_job(conn: redis.Redis, job_id: str) -> JobRecord:
+def cancel_job(store: JobStore, job_id: str) -> JobRecord:
     """Ask a live job to stop; returns its record (`cancelled`, or still running while its ranks
     wind down). The flag is set before any state change, so a rank that sees the job cancelled
-    also sees the flag."""
-    store = JobStore(conn)
+    also sees the flag; it lives as long as the store's records (its job_ttl_s)."""
     record = store.get(job_id)
     if record.state.is_final:
         raise IllegalTransitionError(
             f"job {job_id} is already {record.state}; only queued or running jobs can be cancelled"
         )
-    conn.set(keys.job_cancel(job_id), str(time.time()), ex=store.job_ttl_s)
+    store.conn.set(keys.job_cancel(job_id), str(time.time()), ex=store.job_ttl_s)
     if record.state in NOT_STARTED:
         # The dispatcher skips jobs that are no longer queued; ranks already started for an
         # admitted job see the flag at startup and exit together.

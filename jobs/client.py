@@ -169,7 +169,7 @@ class Client:
         step (its record says `cancelled` then). IllegalTransitionError if it already ended."""
         from jobs.cancel import cancel_job
 
-        return cancel_job(self.conn, job_id)
+        return cancel_job(self.store, job_id)
 
     def jobs(
         self, state: JobState | str | None = None, batch: str | None = None, limit: int = 50

@@ -245,12 +245,15 @@ class Dispatcher:
         """Reserve, record the placement, then hand over: one path for warm and new groups."""
         job_id = job.record.id
         group = place.reuse or self.new_group(job, place, nodes)
-        if place.reuse is None or place.held_bytes < place.bytes_per_node:
+        reserving = place.reuse is None or place.held_bytes < place.bytes_per_node
+        if reserving:
             needs = {n: (place.bytes_per_node, nodes[n].memory_bytes) for n in group.nodes}
             if (why := self.reservations.reserve(group.group_id, needs)) is not None:
                 return self.wait(job.record, Wait(why))  # another dispatcher was faster
         if place.reuse is not None and not self.warm.claim(group, job_id):
             # it retired or another dispatcher took it: nothing was recorded, try again soon
+            if reserving and not self.conn.hexists(keys.WARM_GROUPS, group.group_id):
+                self.release(group)  # retired: no agent renews what was just reserved for it
             return self.wait(job.record, Wait("the warm group it was given retired; retrying"))
         placement = self.placement(group, place)
         progress = Progress(phase=JobState.ADMITTED, total=len(job.tokens))

@@ -87,9 +87,9 @@ class Overview(_Row):
 QUEUED_SHOWN = 50
 
 
-def take_overview(conn: redis.Redis) -> Overview:
+def take_overview(store: JobStore) -> Overview:
     """Queues (the admit queue, then every registered node's), live nodes, running jobs."""
-    store = JobStore(conn)
+    conn = store.conn
     nodes = store.live_nodes()
     running = running_jobs(conn)
     return Overview(

@@ -8,6 +8,8 @@ import platformdirs
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from admission.vocabulary import Device, Exchange, KVLayout
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RINGQ_", frozen=True, populate_by_name=True)
@@ -27,12 +29,12 @@ class Settings(BaseSettings):
         description="Force every job's prefill chunk; unset: 512 on CPU, on GPUs the largest up "
         "to 16384 that fits memory (admission/group_plan.py says why).",
     )
-    exchange: Literal["auto", "rotate", "allgather"] = Field(
+    exchange: Literal["auto", Exchange] = Field(
         default="auto",
         description="How ring ranks share K/V: auto = allgather on CUDA nodes (NCCL has no "
         "send/recv), rotate elsewhere.",
     )
-    kv_layout: Literal["auto", "replicated", "sharded"] = Field(
+    kv_layout: Literal["auto", KVLayout] = Field(
         default="auto",
         validation_alias=AliasChoices("RINGQ_KV_LAYOUT", "RINGQ_DECODE_KV"),  # the old name
         description="KV layout of ring groups: sharded keeps 1/N of the KV per rank (decode "
@@ -112,7 +114,7 @@ class Settings(BaseSettings):
         gt=0,
         description="Disk that prefill checkpoints may take on a node; past it they are skipped.",
     )
-    backend: Literal["auto", "cpu", "cuda", "metal"] = Field(
+    backend: Literal["auto", Device] = Field(
         default="auto",
         description="What a node computes on: auto = metal on macOS, cuda where NVIDIA GPUs are "
         "visible, else cpu.",

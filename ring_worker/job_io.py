@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional, Protocol
 
+import redis
+
 from admission.group_plan import CPU_CHUNK_TOKENS
 from jobs.cancel import cancel_requested, mark_cancelled
 from jobs.checkpoint_marks import clear_checkpoint, mark_checkpoint, mark_for
@@ -15,7 +17,7 @@ from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundErro
 from jobs.job_text import TextDelta, append_text, end_text, expire_at_job
 from jobs.lifecycle import JobState
 from jobs.recovery import report_group_failure
-from jobs.schemas import GroupSpec, JobResult, JobSpec, Progress
+from jobs.schemas import GroupSpec, JobResult, JobSpec, Placement, Progress
 from jobs.store import JobStore
 from jobs.warm_groups import WarmGroups
 
@@ -32,6 +34,8 @@ class JobIO(Protocol):
     def spec(self) -> JobSpec: ...
     def tokens(self) -> list[int]: ...
     def chunk_tokens(self) -> int: ...
+    def placement(self) -> Placement | None: ...
+    def prefix_conn(self) -> redis.Redis | None: ...
     def kept_tokens(self, job_id: str) -> list[int]: ...
     def next_job(
         self, group: GroupSpec, rank: int, kick: Callable[[], None]
@@ -71,8 +75,16 @@ class RedisJobIO:
         return self.store.get_tokens(self.job_id)
 
     def chunk_tokens(self) -> int:
-        placement = self.store.get(self.job_id).placement
+        placement = self.placement()
         return (placement.chunk_tokens if placement else None) or CPU_CHUNK_TOKENS
+
+    def placement(self) -> Placement | None:
+        """What the dispatcher recorded for the job (None until it is placed)."""
+        return self.store.get(self.job_id).placement
+
+    def prefix_conn(self) -> redis.Redis:
+        """Where kept prefixes are indexed (jobs/prefix_index.py): the service's Redis."""
+        return self.store.conn
 
     def kept_tokens(self, job_id: str) -> list[int]:
         return self.store.get_tokens(job_id)
@@ -204,6 +216,12 @@ class FileJobIO:
 
     def chunk_tokens(self) -> int:
         return self._chunk_tokens
+
+    def placement(self) -> None:
+        return None  # no dispatcher, no reservation
+
+    def prefix_conn(self) -> None:
+        return None  # `ringq run` keeps and matches no prefixes
 
     def kept_tokens(self, job_id: str) -> list[int]:
         raise InvalidJobError("cache_from needs the service (ringq submit)")

@@ -10,7 +10,7 @@ from jobs.prefix_index import PendingPrefixes
 from jobs.schemas import GroupSpec, JobSpec
 from jobs.settings import Settings
 from ring_worker.engine import Engine, PrefillResult
-from ring_worker.job_io import JobIO, RedisJobIO
+from ring_worker.job_io import JobIO
 from ring_worker.memory_tier import memory_room_bytes
 from ring_worker.prefix_reuse import RankPrefixCache, Reuse, rank_prefix_cache
 
@@ -21,20 +21,20 @@ def open_prefix_cache(
     settings: Settings, group: GroupSpec, rank: int, engine: Engine, io: JobIO
 ) -> RankPrefixCache | None:
     """None for `ringq run` (no Redis: nothing is kept or matched)."""
-    if not isinstance(io, RedisJobIO):
+    conn = io.prefix_conn()
+    if conn is None:
         return None
     return rank_prefix_cache(
-        io.store.conn, settings.home, settings.cache_bytes, engine, group.nodes[rank],
+        conn, settings.home, settings.cache_bytes, engine, group.nodes[rank],
         group.strategy, group.kv_layout, group.model,
     )  # fmt: skip
 
 
-def memory_room(io: JobIO) -> int | None:
+def memory_room(io: JobIO) -> int:
     """Room for the memory tier beside this job in its group's reservation
-    (ring_worker/memory_tier.py); None for `ringq run`."""
-    if not isinstance(io, RedisJobIO):
-        return None
-    return memory_room_bytes(io.store.get(io.job_id).placement)
+    (ring_worker/memory_tier.py); 0 for a job without one (not yet placed, or `ringq run`,
+    which has no memory tier: see open_prefix_cache)."""
+    return memory_room_bytes(io.placement())
 
 
 def starting_point(

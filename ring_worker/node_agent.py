@@ -36,6 +36,23 @@ MONITOR_INTERVAL_S = 0.2
 LOG_TAIL_LINES = 8
 
 
+# Set the GPU's owner to ARGV[1] for ARGV[2] ms unless another agent owns it; returns that
+# other owner, or nil when the GPU is (now) ARGV[1]'s.
+_OWN_GPU = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] then
+    return owner
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return nil
+"""
+_FREE_GPU = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+end
+"""
+
+
 @dataclass
 class RankProcess:
     group: GroupSpec
@@ -75,6 +92,8 @@ class NodeAgent:
         gpus = visible_gpus() if self.backend == "cuda" else []
         self.gpu = gpus[0] if gpus else None  # an agent owns one GPU (`ringq node --gpus`)
         self.share_gpu = share_gpu
+        self._own_gpu = conn.register_script(_OWN_GPU)
+        self._free_gpu = conn.register_script(_FREE_GPU)
         self.host = socket.gethostname()
         self.standby: StandbyRank | None = None
         if settings.standby_rank == "on" or (
@@ -85,8 +104,13 @@ class NodeAgent:
 
     def info(self) -> NodeInfo:
         """Memory admission may plan with: the GPU's on CUDA nodes, host memory elsewhere."""
-        cuda = cuda_memory_bytes() if self.backend == "cuda" else None
-        free, total = cuda or (psutil.virtual_memory().available, psutil.virtual_memory().total)
+        host = psutil.virtual_memory()
+        free, total = node_memory_bytes(
+            self.backend,
+            self.gpu,
+            cuda_memory_bytes() if self.backend == "cuda" else None,
+            (host.available, host.total),
+        )
         limit = min(self.memory_limit_bytes or total, total)
         available = min(limit, free)
         device = "cpu" if self.gpu is None else f"cuda:{self.gpu} {gpu_name(self.gpu)}".strip()
@@ -106,26 +130,20 @@ class NodeAgent:
     def claim_gpu(self) -> None:
         """Own this agent's GPU, or stop with a clear error when another live agent does: two
         ranks on one GPU would fail later in NCCL. `share_gpu` (ringq up --nodes N > GPUs)
-        shares on purpose."""
+        shares on purpose. Each heartbeat claims again, to renew the claim: one that expired
+        (an agent stuck for node_ttl_s) and was taken by another agent stays the other's."""
         if self.gpu is None or self.share_gpu:
             return
-        key = keys.gpu_owner(self.host, self.gpu)
-        ttl_ms = int(self.settings.node_ttl_s * 1000)
-        if self.conn.set(key, self.name, nx=True, px=ttl_ms):
-            return
-        owner = self.conn.get(key)
-        owner_name = owner.decode() if isinstance(owner, bytes) else str(owner)
-        if owner_name != self.name:
+        owner = self._own_gpu(
+            keys=[keys.gpu_owner(self.host, self.gpu)],
+            args=[self.name, int(self.settings.node_ttl_s * 1000)],
+        )
+        if owner is not None:
+            owner_name = owner.decode() if isinstance(owner, bytes) else str(owner)
             raise RingqError(
                 f"GPU {self.gpu} on {self.host} already belongs to node {owner_name}: give each "
                 "node agent its own GPU (`ringq node --gpus N`), or stop the other agent"
             )
-        self.conn.pexpire(key, ttl_ms)
-
-    def renew_gpu(self) -> None:
-        if self.gpu is not None and not self.share_gpu:
-            key = keys.gpu_owner(self.host, self.gpu)
-            self.conn.set(key, self.name, px=int(self.settings.node_ttl_s * 1000))
 
     def start_rank(self, group: GroupSpec, rank: int) -> bool:
         """Start one rank, unless its group is already failed or its job has moved on (a command
@@ -189,12 +207,19 @@ class NodeAgent:
 
     def heartbeat_forever(self) -> None:
         while not self.stopping.is_set():
-            try:
-                self.renew_gpu()
-                self.store.put_node(self.info(), self.settings.node_ttl_s)
-            except redis.RedisError as exc:
-                log.warning("node %s: heartbeat failed: %s", self.name, exc)
+            self.heartbeat()
             self.stopping.wait(self.settings.node_heartbeat_s)
+
+    def heartbeat(self) -> None:
+        """Renew the GPU claim and the node's record; a node whose GPU went to another agent
+        is no longer offered (its record expires)."""
+        try:
+            self.claim_gpu()
+            self.store.put_node(self.info(), self.settings.node_ttl_s)
+        except redis.RedisError as exc:
+            log.warning("node %s: heartbeat failed: %s", self.name, exc)
+        except RingqError as exc:
+            log.error("node %s: not registered: %s", self.name, exc)
 
     def monitor_forever(self) -> None:
         swept_at_s = 0.0
@@ -242,8 +267,14 @@ class NodeAgent:
             log.warning("job %s: %s (%s)", job_id, reason, outcome or "already handled")
 
     def run(self) -> None:
-        """Serve until SIGINT/SIGTERM; then stop every rank this agent started."""
+        """Register (or stop with a clear error), then serve until SIGINT/SIGTERM; then stop
+        every rank this agent started."""
         self.claim_gpu()
+        try:
+            self.store.put_node(self.info(), self.settings.node_ttl_s)
+        except RingqError:
+            self.release_gpu()
+            raise
         if self.standby is not None:
             self.standby.start()
         threads = [
@@ -264,8 +295,12 @@ class NodeAgent:
             if self.standby is not None:
                 self.standby.stop()
             self.store.remove_node(self.name)
-            if self.gpu is not None and not self.share_gpu:
-                self.conn.delete(keys.gpu_owner(self.host, self.gpu))
+            self.release_gpu()
+
+    def release_gpu(self) -> None:
+        """Give up this agent's GPU claim, unless another agent's claim has replaced it."""
+        if self.gpu is not None and not self.share_gpu:
+            self._free_gpu(keys=[keys.gpu_owner(self.host, self.gpu)], args=[self.name])
 
 
 _agent: NodeAgent | None = None
@@ -278,6 +313,30 @@ def start_rank(group: dict, rank: int) -> str:
     spec = GroupSpec.model_validate(group)
     started = _agent.start_rank(spec, rank)
     return f"{'started' if started else 'skipped'} rank {rank} of group {spec.group_id}"
+
+
+def node_memory_bytes(
+    backend: str,
+    gpu: str | None,
+    gpu_memory: tuple[int, int] | None,
+    host_memory: tuple[int, int],
+) -> tuple[int, int]:
+    """(free, total) bytes a node offers: its GPU's on CUDA nodes, host memory elsewhere. A
+    CUDA node whose GPU cannot be read (gone, or none visible) is an error, never host memory
+    passed off as the GPU's."""
+    if backend != "cuda":
+        return host_memory
+    if gpu is None:
+        raise RingqError(
+            "RINGQ_BACKEND is cuda but this node sees no GPU (check CUDA_VISIBLE_DEVICES and "
+            "nvidia-smi, or set RINGQ_BACKEND=cpu)"
+        )
+    if gpu_memory is None:
+        raise RingqError(
+            f"GPU {gpu}: its memory cannot be read (nvidia-smi --id={gpu}): is the GPU still "
+            "there? Check nvidia-smi, or start the node on another GPU (`ringq node --gpus N`)"
+        )
+    return gpu_memory
 
 
 def rank_backend(group: GroupSpec, rank: int, node_backend: str) -> str:

@@ -14,7 +14,8 @@ import mlx.core as mx
 from jobs.errors import ModelLoadError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import resolve_model
-from jobs.settings import max_batch_for
+from jobs.schemas import GroupSpec
+from jobs.settings import Settings, max_batch_for
 from jobs.tokenizer import ChatTokenizer, load_tokenizer
 from ring_worker.batch_decode import batch_decode_supported
 from ring_worker.batch_serve import BatchServer
@@ -67,11 +68,19 @@ def serve(ctx: RankContext, io: JobIO, watchdog: Watchdog) -> None:
 def batch_limit(ctx: RankContext, engine: Engine) -> int:
     """How many jobs this group decodes together: 1 unless it is a warm group whose layout
     batches (single, ring with replicated KV) and RINGQ_MAX_BATCH allows more."""
-    if ctx.group.idle_s <= 0 or not batch_decode_supported(engine):
+    if not batch_decode_supported(engine):
         return 1
-    device = mx.default_device()
-    backend = "cpu" if device.type == mx.cpu else "metal" if mx.metal.is_available() else "cuda"
-    return max_batch_for(ctx.settings, backend)
+    return group_batch_limit(ctx.group, ctx.settings)
+
+
+def group_batch_limit(group: GroupSpec, settings: Settings) -> int:
+    """The limit for the backend of the group's plan, read as the dispatcher reads it when it
+    offers a new group for batching (jobs/dispatcher.py::Dispatcher.open_batch): the first
+    rank's device, so every rank (and the dispatcher) gets the same answer."""
+    if group.idle_s <= 0:
+        return 1
+    backend = (group.devices or ["cpu"])[0].split(":")[0]
+    return max_batch_for(settings, backend)
 
 
 def next_job(ctx: RankContext, engine: Engine, io: JobIO, watchdog: Watchdog) -> JobIO | None:

@@ -11,11 +11,12 @@ from jobs.cancel import cancel_job
 from jobs.errors import RingqError
 from jobs.lifecycle import JobState
 from jobs.schemas import BatchEntry, JobKind
+from jobs.store import JobStore
 
 
 def cancel_quietly(conn: Conn, job_id: str) -> None:
     with suppress(RingqError):  # it ended meanwhile
-        cancel_job(conn, job_id)
+        cancel_job(JobStore(conn), job_id)
 
 
 def raise_unless_finished(view: JobView) -> None:

@@ -72,7 +72,7 @@ def status(job_id: str, conn: Conn) -> dict[str, Any]:
 
 @router.post("/{job_id}/cancel")
 def cancel(job_id: str, conn: Conn) -> dict[str, Any]:
-    cancel_job(conn, job_id)
+    cancel_job(JobStore(conn), job_id)
     return view_json(read_view(conn, job_id))
 
 

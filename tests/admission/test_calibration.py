@@ -2,7 +2,11 @@
 (predicted) and .json (the peaks measured on every rank of real local groups, CPU, float32,
 chunk 512). For every layout: the estimate is still the one the table records (golden, to its
 0.1 MiB), it never falls below a measured peak (over-admission), and it wastes no more than the
-table's worst fit. Zeroing a score-copy constant or the margin breaks the first two."""
+table's worst fit. Zeroing a score-copy constant or the margin breaks the first two.
+
+GPU: the single-rank cells measured on an H200 (bench/results/h200-service/, bf16, fused
+attention, chunk 16384) are never under their measured peak either, with the GPU estimate
+`python -m bench.calibrate_admission --table` prints for them."""
 
 import json
 import re
@@ -14,9 +18,11 @@ import pytest
 
 from admission.estimate import Layout, estimate_node_bytes
 from admission.vocabulary import KVLayout, Strategy
+from bench.calibrate_admission import predict
 from jobs.model_catalog import read_model_shape, resolve_model
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+H200_CALIBRATION = RESULTS / "h200-service" / "admission-calibration-h200.json"
 MIB = 1024**2
 GOLDEN_ATOL_MIB = 0.05 + 1e-9  # the table prints one decimal
 MAX_RATIO = 1.45  # the table's worst fit is 1.42 (the tiny model's ring cells at 512 tokens)
@@ -79,3 +85,27 @@ def test_estimates_match_the_calibration(label):
         assert abs(got / MIB - predicted_mib) <= GOLDEN_ATOL_MIB, (where, got / MIB)
         assert got >= max(peaks), f"{where}: {got / MIB:.2f} MiB under the measured peak"
         assert got <= MAX_RATIO * max(peaks), f"{where}: {got / max(peaks):.2f}x the peak"
+
+
+def h200_cells() -> list[dict]:
+    report = json.loads(H200_CALIBRATION.read_text())
+    assert report["gpu"] is True
+    return [{**cell, "chunk_tokens": report["chunk_tokens"]} for cell in report["cells"]]
+
+
+def test_the_h200_measurements_cover_both_models_at_every_length():
+    cells = {(c["model"], c["pp"], c["layout"]) for c in h200_cells()}
+    assert cells == {
+        (model, pp, "single")
+        for model in ("random:llama-3.1-8b", "random:llama-3.2-1b")
+        for pp in (8192, 32768, 131072)
+    }
+
+
+@pytest.mark.parametrize("cell", h200_cells(), ids=lambda c: f"{c['model']}-{c['pp']}")
+def test_gpu_estimates_are_never_under_the_h200_peaks(cell):
+    layout = parse_layout(cell["layout"])
+    got = predict(cell["model"], cell["pp"], layout, cell["chunk_tokens"], gpu=True)
+    peak = max(cell["measured_bytes"])
+    where = f"{cell['model']}, {cell['pp']} tokens"
+    assert got >= peak, f"{where}: {got / MIB:.1f} MiB, under the {peak / MIB:.1f} measured"

@@ -4,13 +4,20 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+
+import redis
 
 from jobs.redis_server import connect, ensure_redis
 from jobs.schemas import JobKind, JobSpec
 from jobs.settings import Settings
 from jobs.store import JobStore
-from tests.helpers import short_tmp_dir
+from tests.helpers import short_tmp_dir, wait_for
+
+
+def job_reads(conn: redis.Redis) -> int:
+    """HGETALLs the server has run (JobStore.get reads a job's record with one)."""
+    stats = conn.info("commandstats")
+    return int(stats.get("cmdstat_hgetall", {}).get("calls", 0))
 
 
 def test_status_watch_when_redis_stops_is_one_line():
@@ -21,6 +28,7 @@ def test_status_watch_when_redis_stops_is_one_line():
         conn = connect(handle.url)
         JobStore(conn).create("j1", spec)
         env = {**os.environ, "RINGQ_REDIS_URL": handle.url, "RINGQ_HOME": str(home)}
+        reads_before = job_reads(conn)
         watcher = subprocess.Popen(
             [sys.executable, "-m", "cli.main", "status", "j1", "--watch"],
             env=env,
@@ -28,11 +36,14 @@ def test_status_watch_when_redis_stops_is_one_line():
             stderr=subprocess.PIPE,
             text=True,
         )
-        deadline = time.monotonic() + 60  # a job that never moves: it watches until stopped
-        while len(conn.client_list()) < 2:  # this test's connection and the watcher's
-            assert time.monotonic() < deadline and watcher.poll() is None, watcher.communicate()
-            time.sleep(0.1)
-        time.sleep(0.5)
+
+        def watching() -> bool:
+            assert watcher.poll() is None, watcher.communicate()
+            return job_reads(conn) > reads_before
+
+        # the watcher has read the job once: it is in its loop (a job that never moves: it
+        # watches until Redis goes)
+        wait_for(watching, "the watcher's first read of the job", timeout_s=60)
         conn.close()
         handle.stop()
         _, stderr = watcher.communicate(timeout=60)

@@ -93,7 +93,7 @@ def busy(redis_conn):
 
 
 def test_overview_counts_queues_nodes_and_running_jobs(redis_conn, busy):
-    overview = take_overview(redis_conn)
+    overview = take_overview(JobStore(redis_conn))
     queues = {q.name: q.queued for q in overview.queues}
     assert queues == {
         "ringq:admit": 5,
@@ -176,7 +176,7 @@ def test_top_once_prints_one_frame(ringq, busy):
 def test_top_shows_why_queued_jobs_wait_and_only_live_nodes_queues(redis_conn, busy):
     JobStore(redis_conn).set_waiting("job-3", "needs 3.0 GiB on node-0, 1.0 GiB free")
     JobStore(redis_conn).remove_node("node-1")  # stopped heartbeating: its record expired
-    overview = take_overview(redis_conn)
+    overview = take_overview(JobStore(redis_conn))
     assert [q.name for q in overview.queues] == ["ringq:admit", "ringq:node:node-0:commands"]
     reasons = {job.id: job.waiting_reason for job in overview.queued}
     assert reasons == {"job-2": None, "job-3": "needs 3.0 GiB on node-0, 1.0 GiB free"}
@@ -243,7 +243,7 @@ def test_top_shows_how_many_sequences_a_busy_group_decodes(ringq, redis_conn, bu
     warm.started(group, "job-0")
     assert warm.join(group, "job-1", max_batch=4) == "joined"
     store.transition(busy[0], JobState.DECODE)
-    [batch] = take_overview(redis_conn).busy_groups
+    [batch] = take_overview(JobStore(redis_conn)).busy_groups
     assert (batch.group_id, batch.jobs, batch.decoding) == ("g1", ["job-0", "job-1"], 1)
     out = ringq("top", "--once")
     assert out.exit_code == 0, out.output

@@ -149,6 +149,26 @@ def test_an_idle_group_of_the_same_plan_is_reused_and_others_are_asked_to_make_w
     assert isinstance(wait, Wait) and wait.evict == [other]
 
 
+def test_an_idle_group_takes_a_job_whose_job_fields_differ():
+    """Chunk tokens are a job field (admission/group_plan.py): a job planned with another chunk
+    (RINGQ_PREFILL_CHUNK_TOKENS) runs on the idle group that a fresh placement made, with its
+    own chunk."""
+    first = plan_admission(job(131072), Cluster(GPUS, {}, []), SETTINGS)
+    assert isinstance(first, Place) and first.plan.chunk_tokens == 16384
+    addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+    warm = GroupSpec.from_plan(
+        first.plan, group_id="warm1", job_id="first", model=MODEL, addresses=addresses
+    )
+    held_bytes = first.bytes_per_node
+    held = {n: {"warm1": held_bytes} for n in ("g0", "g1")}
+    smaller_chunks = Settings(redis_url=None, prefill_chunk_tokens=4096)
+    cluster = Cluster(GPUS, held, [(warm, held_bytes)])
+    place = plan_admission(job(100000), cluster, smaller_chunks)
+    assert isinstance(place, Place) and place.reuse == warm
+    assert place.plan.chunk_tokens == 4096
+    assert place.held_bytes == held_bytes and place.bytes_per_node == held_bytes
+
+
 def with_prefix(planned: Job, hint: PrefixHint) -> Job:
     return Job(planned.record, planned.tokens, planned.shape, planned.model_dtype, hint)
 

@@ -116,7 +116,7 @@ def test_a_cancelled_job_leaves_the_batch_and_the_others_finish(batching, tiny_l
     jobs = enqueue_jobs(store.conn, [(new_job_id(), spec) for spec in specs])
     ids = [j.id for j in jobs]
     wait_for(lambda: decoding(store, ids), "three jobs decoding together", JOB_TIMEOUT_S)
-    cancel_job(store.conn, ids[1])
+    cancel_job(store, ids[1])
     victim = wait_for(lambda: final_record(store, ids[1]), "the cancel", JOB_TIMEOUT_S)
     assert victim.state == JobState.CANCELLED
     assert victim.result is not None and 0 < victim.result.generated_tokens < 1500

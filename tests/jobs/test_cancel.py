@@ -69,7 +69,7 @@ def prefill_spec(model_dir, strategy: StrategyChoice = "auto") -> JobSpec:
 def test_cancel_queued_job_never_starts(cancel_cluster, store, tiny_llama_dir):
     with stopped([child_pid(cancel_cluster, "dispatcher")]):
         record = submit_job(store.conn, prefill_spec(tiny_llama_dir))
-        cancelled = cancel_job(store.conn, record.id)
+        cancelled = cancel_job(store, record.id)
         assert cancelled.state == JobState.CANCELLED
         assert cancelled.error == "cancelled before it started"
     admit = Job.fetch(f"admit-{record.id}", connection=store.conn, serializer=JSONSerializer)
@@ -84,7 +84,7 @@ def test_cancel_admitted_job_starts_no_rank(cancel_cluster, store, tiny_llama_di
     with stopped(agents):  # the dispatcher places the job; no rank starts until they resume
         record = submit_job(store.conn, prefill_spec(tiny_llama_dir))
         wait_for(lambda: store.get(record.id).state != JobState.QUEUED, "admission")
-        assert cancel_job(store.conn, record.id).state == JobState.CANCELLED
+        assert cancel_job(store, record.id).state == JobState.CANCELLED
     placement = store.get(record.id).placement
     assert placement is not None
     # the agents resume, find the job cancelled, start nothing and free its memory
@@ -189,7 +189,7 @@ def test_cancel_in_decode_keeps_the_text_generated_so_far(cancel_cluster, store)
         return now if started and now.progress.processed >= 3 else None
 
     wait_for(decoding, "decode to start")
-    cancel_job(store.conn, record.id)
+    cancel_job(store, record.id)
     final = wait_for(lambda: final_record(store, record.id), "the job to end")
     assert final.state == JobState.CANCELLED and "generated tokens" in (final.error or "")
     assert final.result is not None and final.result.text

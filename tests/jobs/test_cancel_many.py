@@ -41,7 +41,7 @@ def test_the_script_and_cancel_job_agree(redis_conn):
     for state in set(JobState) - FINAL_STATES:
         put_in_state(store, f"one-{state.value}", state)
         put_in_state(store, f"many-{state.value}", state)
-        cancel_job(redis_conn, f"one-{state.value}")
+        cancel_job(store, f"one-{state.value}")
         cancel_many(redis_conn, [f"many-{state.value}"], ttl_s=60)
         one, many = store.get(f"one-{state.value}"), store.get(f"many-{state.value}")
         assert (one.state, one.progress.phase, one.error) == (

@@ -1,6 +1,7 @@
 """The Python client (jobs/client.py) against a real redis-server: what a script does."""
 
 import json
+import queue
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from jobs.schemas import JobResult, Progress
 from jobs.settings import get_settings
 
 MODEL = "random:tiny-llama"
+WATCH_STEP_TIMEOUT_S = 30.0
 
 
 @pytest.fixture
@@ -97,18 +99,30 @@ def test_cancelled_job_result_raises_with_its_record(client):
 
 def test_watch_yields_each_change_until_the_job_ends(client):
     job = client.submit("Some text.", model=MODEL)
+    yielded: queue.Queue[None] = queue.Queue()  # one item per record the watch has yielded
+    steps = [
+        lambda: client.store.transition(job.id, JobState.ADMITTED),
+        lambda: client.store.set_progress(job.id, Progress(phase=JobState.ADMITTED, total=9)),
+        lambda: client.store.fail(job.id, "broken"),
+    ]
 
     def advance() -> None:
-        time.sleep(0.4)
-        client.store.transition(job.id, JobState.ADMITTED)
-        time.sleep(0.4)
-        client.store.set_progress(job.id, Progress(phase=JobState.ADMITTED, total=9))
-        time.sleep(0.4)
-        client.store.fail(job.id, "broken")
+        """Each change once the watch has yielded the one before (a starved watcher cannot
+        miss one); a watch that stops yielding ends with the job failed, not a hung test."""
+        for step in steps:
+            try:
+                yielded.get(timeout=WATCH_STEP_TIMEOUT_S)
+            except queue.Empty:
+                client.store.fail(job.id, "the watch yielded nothing")
+                return
+            step()
 
     mover = threading.Thread(target=advance)
     mover.start()
-    seen = [(r.state, r.progress.total) for r in client.watch(job.id, interval_s=0.05)]
+    seen = []
+    for record in client.watch(job.id, interval_s=0.05):
+        seen.append((record.state, record.progress.total))
+        yielded.put(None)
     mover.join()
     assert seen == [
         (JobState.QUEUED, 0),

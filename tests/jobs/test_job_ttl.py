@@ -35,7 +35,7 @@ def test_job_ttl_setting_reaches_records_tokens_flags_and_batches(redis_conn, sh
     assert_ttl(redis_conn, keys.job(record.id))
     JobStore(redis_conn).set_tokens(record.id, [1, 2, 3])
     assert_ttl(redis_conn, keys.job_tokens(record.id))
-    cancel_job(redis_conn, record.id)
+    cancel_job(JobStore(redis_conn), record.id)
     assert_ttl(redis_conn, keys.job_cancel(record.id))
     line = '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
     line += '{"model": "random:tiny-llama", "messages": [{"role": "user", "content": "hi"}]}}'

@@ -39,7 +39,7 @@ def test_each_state_change_moves_the_job_between_state_indexes(redis_conn, store
     assert index(redis_conn, JobState.QUEUED) == ["b"]
     assert index(redis_conn, JobState.ADMITTED) == []
     assert index(redis_conn, JobState.LOADING) == ["a"]
-    cancel_job(redis_conn, "b")
+    cancel_job(store, "b")
     assert index(redis_conn, JobState.QUEUED) == []
     assert index(redis_conn, JobState.CANCELLED) == ["b"]
     created = store.get("b").created_at
@@ -115,7 +115,7 @@ def test_batches_are_listed_newest_first_and_their_jobs_in_input_order(redis_con
     batches = list_batches(redis_conn)
     assert [(b.id, b.requests, b.skipped_lines) for b in batches] == [("b2", 1, 1), ("b1", 3, 0)]
     assert [j.id for j in list_jobs(redis_conn, batch_id="b1")] == ["b1-1", "b1-2", "b1-3"]
-    cancel_job(redis_conn, "b1-2")
+    cancel_job(JobStore(redis_conn), "b1-2")
     assert [j.id for j in list_jobs(redis_conn, state="cancelled", batch_id="b1")] == ["b1-2"]
     redis_conn.delete(keys.batch("b2"))
     assert [b.id for b in list_batches(redis_conn)] == ["b1"]

@@ -84,7 +84,7 @@ def test_a_cancelled_job_leaves_the_group_warm_for_the_next(store, tiny_llama_di
     second = submit_job(store.conn, spec)  # longer: the group's reservation grows
     running = wait_for(lambda: in_prefill(store.get(second.id)), "the warm job's prefill")
     assert running.placement.group_id == first.placement.group_id
-    cancel_job(store.conn, second.id)
+    cancel_job(store, second.id)
     ended = wait_for(lambda: final_record(store, second.id), "the cancel")
     assert ended.state == JobState.CANCELLED, ended.error
     third = run(store, spec.model_copy(update={"document": "A short one. " * 30}))
