@@ -226,7 +226,7 @@ def step_faults(injector, config: SoakConfig, progress: Progress, rng, pending: 
     except redis.RedisError:
         injected = None
     if injected is None:
-        progress.next_fault_at_s = now_s + 1.0  # nothing of that kind to hit now: soon again
+        progress.next_fault_at_s = now_s  # nothing of that kind to hit now: again next tick
         return
     assert progress.drawn_at_s is not None
     if injected.at_s - progress.drawn_at_s > 1.0:
@@ -339,6 +339,16 @@ def stop_up(up: subprocess.Popen, home: Path) -> tuple[int | None, list, dict | 
     return code, rank_processes(home), stuck
 
 
+def thread_waits(pid: int) -> list[str]:
+    """Where each thread of `pid` waits in the kernel (Linux /proc; empty elsewhere): a main
+    thread in futex_wait holds out on a lock, one in do_sys_poll on a socket."""
+    found = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        with suppress(OSError):
+            found.append(f"{task.name}:{(task / 'wchan').read_text().strip() or '-'}")
+    return found
+
+
 def stuck_report(up: subprocess.Popen, home: Path, lines: int = 40) -> dict:
     """`up`'s output tail, every process still alive under it, and every rank of this home (one
     orphaned by a killed agent is no longer under `up`)."""
@@ -346,8 +356,10 @@ def stuck_report(up: subprocess.Popen, home: Path, lines: int = 40) -> dict:
     with suppress(psutil.Error):
         for proc in [psutil.Process(up.pid), *psutil.Process(up.pid).children(recursive=True)]:
             with suppress(psutil.Error):
+                command = " ".join(proc.cmdline())
+                waits = thread_waits(proc.pid)
                 alive.append(
-                    {"pid": proc.pid, "status": proc.status(), "cmdline": " ".join(proc.cmdline())}
+                    {"pid": proc.pid, "status": proc.status(), "cmdline": command, "waits": waits}
                 )
     ranks = [asdict(r) for r in rank_processes(home)]
     output = (home / "up.out").read_text(errors="replace").splitlines()
@@ -396,7 +408,7 @@ def run_soak(config: SoakConfig, home: Path, env_extra: dict[str, str] | None = 
         progress = Progress(ids, {j: rng.randrange(0, max(1, len(ids) // 2)) for j in cancelled})
         progress.reserve = reserve
         progress.reserve_part = max(1, len(reserve) // max(1, config.faults))
-        injector = Injector(conn, home, rng)
+        injector = Injector(conn, home, rng, rank_patience_s=TICK_S)
         soak_loop(conn, injector, config, progress)
         phase("load")
         stopped_left = injector.release_stopped()

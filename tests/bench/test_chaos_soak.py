@@ -1,5 +1,6 @@
 """The chaos soak, short: 40 jobs through `ringq up --nodes 2` while the dispatcher, a node agent
-and a rank are killed and Redis is restarted; every invariant of the full soak must hold."""
+and a rank are killed and Redis is restarted; every invariant of the full soak must hold. Its
+pure parts (RSS growth, the fault mix) by table."""
 
 import random
 import shutil
