@@ -27,6 +27,7 @@ KINDS = {  # kind -> weight
     "redis-restart": 1,
 }
 RECOVERY_TIMEOUT_S = 180.0
+RANK_POLL_S = 0.05  # how often a rank fault looks for a busy group while it may wait for one
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,14 @@ class Fault:
 
 
 class Injector:
-    def __init__(self, conn: redis.Redis, home: Path, rng: random.Random):
+    def __init__(
+        self, conn: redis.Redis, home: Path, rng: random.Random, rank_patience_s: float = 0.0
+    ):
+        """`rank_patience_s`: how long a rank fault may look for a group in prefill or decode
+        (every RANK_POLL_S) before it reports nothing to hit: small jobs spend most of their
+        time starting or loading, and are in prefill or decode for a fraction of a second."""
         self.conn, self.home, self.rng = conn, home, rng
+        self.rank_patience_s = rank_patience_s
         self.stopped_pids: list[int] = []
 
     def inject(self, kind: str, finished_before: int) -> Fault | None:
@@ -97,16 +104,15 @@ class Injector:
     def _rank_fault(self, kind: str, sig: signal.Signals, min_ranks: int) -> Fault | None:
         """Hit a rank of a group that is running a job (with at least `min_ranks` ranks: a
         stopped rank is noticed by its peers' stall watchdogs)."""
-        busy = {
-            j.placement.group_id: j.id
-            for j in running_jobs(self.conn)
-            if j.placement is not None
-            and len(j.placement.nodes) >= min_ranks
-            and j.state in (JobState.PREFILL, JobState.DECODE)
-        }
-        ranks = [r for r in rank_processes(self.home) if r.group_id in busy]
-        if not ranks:
-            return None
+        deadline_s = time.monotonic() + self.rank_patience_s
+        while True:
+            busy = self._busy_groups(min_ranks)  # a Redis read: cheap to repeat
+            ranks = [r for r in rank_processes(self.home) if r.group_id in busy] if busy else []
+            if ranks:
+                break
+            if time.monotonic() >= deadline_s:
+                return None
+            time.sleep(RANK_POLL_S)
         victim = self.rng.choice(ranks)
         try:
             os.kill(victim.pid, sig)
@@ -117,6 +123,16 @@ class Injector:
         target = f"{victim.group_id}/rank{victim.rank}"
         job_id = busy[victim.group_id]
         return Fault(kind, time.monotonic(), target, victim.pid, job_id, victim.group_id)
+
+    def _busy_groups(self, min_ranks: int) -> dict[str, str]:
+        """group id -> job id of the groups of at least `min_ranks` ranks in prefill or decode."""
+        return {
+            j.placement.group_id: j.id
+            for j in running_jobs(self.conn)
+            if j.placement is not None
+            and len(j.placement.nodes) >= min_ranks
+            and j.state in (JobState.PREFILL, JobState.DECODE)
+        }
 
     def _service_fault(self, kind: str, label_prefix: str, sig: signal.Signals) -> Fault | None:
         statuses = [

@@ -7,8 +7,10 @@ Redis are killed, stopped and restarted at random moments; then every invariant 
 First a fault-free reference run of every distinct job of the load (one each), then the load:
 half the jobs submitted directly, half as batch files, a few cancelled at random moments.
 Invariants at the end: every job final, none lost, none completed twice, every finished greedy
-job's text equal to its reference, reservations back to 0, no rank process left, the
-dispatcher's and node agents' RSS at most 10 % above its value after the first 10 % of jobs.
+job's text equal to its reference, reservations back to 0, no rank process left, and the
+dispatcher's and node agents' RSS flat: for each of their processes, its largest RSS once it has
+seen 10 % of the jobs end (and lived 30 s) at most 10 % above its largest RSS until then
+(rss_growth: a restarted service's new process is compared with its own early samples).
 Writes bench/results/chaos-<jobs>.json (or chaos-fault-free-<jobs>.json).
 """
 
@@ -21,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,6 +80,10 @@ RESERVE_SHARE = 0.25  # of the direct jobs, held back to keep the load going unt
 LOW_WATER = 4  # jobs not yet final below which a part of the reserve is submitted
 TICK_S = 0.5
 RSS_GROWTH_LIMIT = 1.10
+# A process's first seconds are part of its early RSS, whatever the job count: a restarted
+# dispatcher went 50 -> 112 MB over its first 15 s (imports, its first jobs' tokenizers) and then
+# stayed flat (python -m bench.chaos_soak --jobs 20 --faults 3).
+RSS_WARM_UP_S = 30.0
 
 
 @dataclass
@@ -103,6 +109,8 @@ class Progress:
     reserve_part: int = 1
     faults: list[Fault] = field(default_factory=list)
     open_fault: Fault | None = None
+    drawn_kind: str | None = None  # the next fault's kind, kept until a fault of it is injected
+    drawn_at_s: float | None = None
     next_fault_at_s: float = 0.0
     samples: list[dict] = field(default_factory=list)
     finished: int = 0
@@ -214,24 +222,39 @@ def step_faults(injector, config: SoakConfig, progress: Progress, rng, pending: 
     if not pending or len(progress.faults) >= config.faults or now_s < progress.next_fault_at_s:
         return
     try:
-        injected = injector.inject(next_kind(config, progress, rng), progress.finished)
+        injected = injector.inject(next_kind(config, progress, rng, now_s), progress.finished)
     except redis.RedisError:
         injected = None
     if injected is None:
-        progress.next_fault_at_s = now_s + 1.0  # nothing of that kind to hit now: soon again
+        progress.next_fault_at_s = now_s  # nothing of that kind to hit now: again next tick
         return
+    assert progress.drawn_at_s is not None
+    if injected.at_s - progress.drawn_at_s > 1.0:
+        injected.notes.append(f"waited {injected.at_s - progress.drawn_at_s:.0f} s for a target")
+    progress.drawn_kind = progress.drawn_at_s = None
     progress.faults.append(injected)
     progress.open_fault = injected
 
 
-def next_kind(config: SoakConfig, progress: Progress, rng: random.Random) -> str:
-    if config.fault_kinds:
-        return config.fault_kinds[len(progress.faults) % len(config.fault_kinds)]
-    return pick_kind(rng)
+def next_kind(config: SoakConfig, progress: Progress, rng: random.Random, now_s: float) -> str:
+    """The next fault's kind: in turn when the config lists kinds, else drawn by weight. Either
+    way it is kept until a fault of it is injected: redrawing whenever nothing of a kind could be
+    hit favoured the kinds that always have a target (services) over busy ranks (a 200-job run
+    drew rank-kill and rank-stop once each in 25 faults, against weights of 3 and 2 in 10)."""
+    if progress.drawn_kind is None:
+        if config.fault_kinds:
+            progress.drawn_kind = config.fault_kinds[len(progress.faults) % len(config.fault_kinds)]
+        else:
+            progress.drawn_kind = pick_kind(rng)
+        progress.drawn_at_s = now_s
+    return progress.drawn_kind
 
 
 def sample(conn, home: Path, started_s: float, final: int) -> dict:
+    """RSS of each service (and the pid it was read from: a restart starts a new process), and
+    the largest rank's."""
     rss: dict[str, int] = {}
+    pids: dict[str, int] = {}
     try:
         statuses = read_service_statuses(conn)
     except redis.RedisError:
@@ -241,29 +264,40 @@ def sample(conn, home: Path, started_s: float, final: int) -> dict:
             rss[status.label] = psutil.Process(status.pid).memory_info().rss if status.pid else 0
         except psutil.Error:
             rss[status.label] = 0
-    ranks = [psutil.Process(r.pid).memory_info().rss for r in rank_processes(home)]
+        if rss[status.label] and status.pid:
+            pids[status.label] = status.pid
+    ranks = []
+    for rank in rank_processes(home):
+        with suppress(psutil.Error):  # it ended since it was listed
+            ranks.append(psutil.Process(rank.pid).memory_info().rss)
     return {
         "t_s": time.monotonic() - started_s,
         "final": final,
         "rss": rss,
+        "pids": pids,
         "ranks_max": max(ranks, default=0),
     }
 
 
 def rss_growth(samples: list[dict], total: int) -> dict[str, float]:
-    """Per service: its largest RSS after the first 10 % of jobs over its largest RSS until then
-    (a service restarted meanwhile grows back to its warm size: not a leak)."""
-    mark = total // 10
-    before = [s for s in samples if s["final"] <= mark]
-    after = [s for s in samples if s["final"] >= mark]
-    if not before or not after:
-        return {}
-    labels = set().union(*(s["rss"] for s in samples))
-    growth = {}
-    for label in sorted(labels):
-        base = max(s["rss"].get(label, 0) for s in before)
-        if base:
-            growth[label] = max(s["rss"].get(label, 0) for s in after) / base
+    """Per service: the largest growth of any of its processes. A process is compared with
+    itself only: its largest RSS once it has seen 10 % of the jobs (`total`) end and lived
+    RSS_WARM_UP_S, over its largest RSS until then. A restarted service's new process starts
+    cold, so comparing it with the first process's early peak would measure the restart, not a
+    leak. A process that did not live past its early part gives no figure."""
+    window = max(1, total // 10)
+    lives: dict[tuple[str, int], list[tuple[float, int, int]]] = defaultdict(list)
+    for s in samples:
+        for label, pid in s.get("pids", {}).items():
+            lives[(label, pid)].append((s["t_s"], s["final"], s["rss"][label]))
+    growth: dict[str, float] = {}
+    for (label, _), points in sorted(lives.items()):
+        born_s, mark = points[0][0], points[0][1] + window
+        early = [final <= mark or t_s - born_s <= RSS_WARM_UP_S for t_s, final, _ in points]
+        before = [rss for (_, _, rss), is_early in zip(points, early, strict=True) if is_early]
+        after = [rss for (_, _, rss), is_early in zip(points, early, strict=True) if not is_early]
+        if before and after:
+            growth[label] = max(growth.get(label, 0.0), max(after) / max(before))
     return growth
 
 
@@ -279,15 +313,57 @@ def settle(conn, home: Path, timeout_s: float = 90) -> tuple[dict[str, int], lis
         time.sleep(TICK_S)
 
 
-def stop_up(up: subprocess.Popen, home: Path) -> tuple[int | None, list]:
+UP_STOP_S = 60.0
+
+
+def stop_up(up: subprocess.Popen, home: Path) -> tuple[int | None, list, dict | None]:
+    """Ctrl-C `up`; one that does not exit within UP_STOP_S is killed, after its output's tail
+    and its still-alive children are logged and returned (so a run says why it hung)."""
     up.send_signal(signal.SIGINT)
+    stuck = None
     try:
-        code = up.wait(timeout=60)
+        code = up.wait(timeout=UP_STOP_S)
     except subprocess.TimeoutExpired:
+        stuck = stuck_report(up, home)
+        log.warning(
+            "`ringq up` did not stop within %.0f s of SIGINT; still alive: %s; ranks: %s; "
+            "its output ends:\n%s",
+            UP_STOP_S,
+            json.dumps(stuck["alive"]),
+            json.dumps(stuck["ranks"]),
+            stuck["output_tail"],
+        )
         up.kill()
         code = None
     time.sleep(1.0)
-    return code, rank_processes(home)
+    return code, rank_processes(home), stuck
+
+
+def thread_waits(pid: int) -> list[str]:
+    """Where each thread of `pid` waits in the kernel (Linux /proc; empty elsewhere): a main
+    thread in futex_wait holds out on a lock, one in do_sys_poll on a socket."""
+    found = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        with suppress(OSError):
+            found.append(f"{task.name}:{(task / 'wchan').read_text().strip() or '-'}")
+    return found
+
+
+def stuck_report(up: subprocess.Popen, home: Path, lines: int = 40) -> dict:
+    """`up`'s output tail, every process still alive under it, and every rank of this home (one
+    orphaned by a killed agent is no longer under `up`)."""
+    alive = []
+    with suppress(psutil.Error):
+        for proc in [psutil.Process(up.pid), *psutil.Process(up.pid).children(recursive=True)]:
+            with suppress(psutil.Error):
+                command = " ".join(proc.cmdline())
+                waits = thread_waits(proc.pid)
+                alive.append(
+                    {"pid": proc.pid, "status": proc.status(), "cmdline": command, "waits": waits}
+                )
+    ranks = [asdict(r) for r in rank_processes(home)]
+    output = (home / "up.out").read_text(errors="replace").splitlines()
+    return {"alive": alive, "ranks": ranks, "output_tail": "\n".join(output[-lines:])}
 
 
 @dataclass
@@ -300,6 +376,7 @@ class Ending:
     ranks_left: list[RankProcess]
     stopped_left: list[int]
     up_exit_code: int | None
+    up_stuck: dict | None  # stuck_report when `up` had to be killed
     reference_jobs: int
     phases_s: dict[str, float]
 
@@ -331,7 +408,7 @@ def run_soak(config: SoakConfig, home: Path, env_extra: dict[str, str] | None = 
         progress = Progress(ids, {j: rng.randrange(0, max(1, len(ids) // 2)) for j in cancelled})
         progress.reserve = reserve
         progress.reserve_part = max(1, len(reserve) // max(1, config.faults))
-        injector = Injector(conn, home, rng)
+        injector = Injector(conn, home, rng, rank_patience_s=TICK_S)
         soak_loop(conn, injector, config, progress)
         phase("load")
         stopped_left = injector.release_stopped()
@@ -339,7 +416,7 @@ def run_soak(config: SoakConfig, home: Path, env_extra: dict[str, str] | None = 
         phase("settle")
         verdict = check_jobs(JobStore(conn), ids, reference, home)
         retries = [JobStore(conn).get(j).attempt for j in ids]
-        code, ranks_after_stop = stop_up(up, home)
+        code, ranks_after_stop, stuck = stop_up(up, home)
         phase("stop")
     finally:
         if up.poll() is None:
@@ -352,6 +429,7 @@ def run_soak(config: SoakConfig, home: Path, env_extra: dict[str, str] | None = 
         ranks_left + ranks_after_stop,
         stopped_left,
         code,
+        stuck,
         len(reference),
         phases_s,
     )
@@ -401,6 +479,7 @@ def summarise(config: SoakConfig, progress: Progress, end: Ending) -> dict:
             "reserved_bytes": end.reserved,
             "ranks_left": [asdict(r) for r in end.ranks_left],
             "stopped_ranks_left": end.stopped_left,
+            "up_stuck": end.up_stuck,
         },
         "faults": [f.report() for f in progress.faults],
         "samples": progress.samples,

@@ -1,14 +1,20 @@
 """CLI start-up latency: `ringq status`, `ringq submit` and `ringq --version` as whole processes,
-against the import floor of redis + click + pydantic.
+against two import floors (redis + click + pydantic; the same with a pydantic model's
+`BaseModel`, which any pydantic model needs), and the same submit and status through the HTTP
+API (`ringq serve`'s app), which pays start-up once.
 
     uv run python -m bench.cli_latency [--runs 7]
 
 Starts a private Redis under a temporary RINGQ_HOME, submits one job (no dispatcher: it stays
 queued) and fills the model metadata cache once, then runs each command `--runs` times after a
-warm-up, the commands interleaved, and prints min / median / max wall seconds. Figures:
-bench/results/cli-latency.md.
+warm-up, the commands interleaved, and prints min / median / max wall seconds. Then serves the
+app on uvicorn in a thread of this process and times `--runs` POST /api/jobs and GET
+/api/jobs/{id} requests on one keep-alive connection (http.client), after one of each not
+counted. Figures: bench/results/cli-latency.md.
 """
 
+import http.client
+import json
 import os
 import shutil
 import statistics
@@ -23,11 +29,65 @@ import click
 from jobs.redis_server import ensure_redis
 from jobs.settings import Settings
 
+FLOORS = ("import redis, click, pydantic", "import redis, click; from pydantic import BaseModel")
+
 
 def wall_s(argv: list[str], env: dict[str, str]) -> float:
     started = time.perf_counter()
     subprocess.run(argv, env=env, check=True, capture_output=True)
     return time.perf_counter() - started
+
+
+def process_pass(commands: dict[str, list[str]], env: dict[str, str], runs: int) -> dict:
+    """Wall seconds of each command, the commands interleaved; one warm-up round not counted."""
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for round_number in range(runs + 1):
+        for name, argv in commands.items():
+            seconds = wall_s(argv, env)
+            if round_number:
+                times[name].append(seconds)
+    return times
+
+
+def http_pass(home: Path, redis_url: str, document: str, runs: int) -> dict[str, list[float]]:
+    """Seconds of each submit and status request on one keep-alive connection to the app."""
+    from tests.cli.http_serving import serving
+
+    settings = Settings(home=home, redis_url=redis_url)
+    times: dict[str, list[float]] = {"HTTP POST /api/jobs": [], "HTTP GET /api/jobs/ID": []}
+    body = json.dumps({"kind": "generate", "document": document, "max_tokens": 16})
+    with serving(settings, redis_url) as base_url:
+        connection = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=60)
+        for round_number in range(runs + 1):
+            seconds, job = timed_request(connection, "POST", "/api/jobs", body)
+            if round_number:
+                times["HTTP POST /api/jobs"].append(seconds)
+            seconds, _ = timed_request(connection, "GET", f"/api/jobs/{job['id']}")
+            if round_number:
+                times["HTTP GET /api/jobs/ID"].append(seconds)
+        connection.close()
+    return times
+
+
+def timed_request(
+    connection: http.client.HTTPConnection, method: str, path: str, body: str | None = None
+) -> tuple[float, dict]:
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    started = time.perf_counter()
+    connection.request(method, path, body=body, headers=headers)
+    response = connection.getresponse()
+    payload = response.read()
+    seconds = time.perf_counter() - started
+    if response.status >= 300:
+        raise click.ClickException(f"{method} {path}: {response.status} {payload[:200]!r}")
+    return seconds, json.loads(payload)
+
+
+def echo_times(times: dict[str, list[float]], unit: str = "s") -> None:
+    scale = 1000.0 if unit == "ms" else 1.0
+    for name, values in times.items():
+        low, mid, high = (scale * v for v in (min(values), statistics.median(values), max(values)))
+        click.echo(f"{name:<56} min {low:.3f}  median {mid:.3f}  max {high:.3f} {unit}")
 
 
 @click.command()
@@ -42,24 +102,14 @@ def main(runs: int) -> None:
     try:
         submit = [*ringq, "submit", "generate", str(doc), "--max-tokens", "16"]
         job_id = subprocess.run(submit, env=env, check=True, capture_output=True, text=True)
-        floor = "import redis, click, pydantic"
         commands = {
-            floor: [sys.executable, "-c", floor],
+            **{floor: [sys.executable, "-c", floor] for floor in FLOORS},
             "ringq --version": [*ringq, "--version"],
             "ringq status JOB": [*ringq, "status", job_id.stdout.strip()],
             "ringq submit generate DOC": submit,
         }
-        times: dict[str, list[float]] = {name: [] for name in commands}
-        for round_number in range(runs + 1):  # round 0 is the warm-up
-            for name, argv in commands.items():
-                seconds = wall_s(argv, env)
-                if round_number:
-                    times[name].append(seconds)
-        for name, values in times.items():
-            click.echo(
-                f"{name:<32} min {min(values):.3f}  median {statistics.median(values):.3f}  "
-                f"max {max(values):.3f} s"
-            )
+        echo_times(process_pass(commands, env, runs))
+        echo_times(http_pass(home, handle.url, doc.read_text(), runs), unit="ms")
     finally:
         handle.stop()
         shutil.rmtree(home, ignore_errors=True)

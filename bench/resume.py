@@ -1,13 +1,16 @@
 """Resume benchmark: a long CPU prefill through the service (Redis, dispatcher, 2 node agents),
-once uninterrupted, once with a rank killed (kill -9) at about 85 % of its prefill; the retry
-continues from the group's last checkpoint (RINGQ_CHECKPOINT_TOKENS). Goal: the retried prefill
-takes at most 0.3 of an uninterrupted one.
+once uninterrupted, then killed (kill -9 of a rank) at about 85 % of its prefill twice: with
+checkpoints, where the retry continues from the group's last one (RINGQ_CHECKPOINT_TOKENS), and
+with RINGQ_CHECKPOINT_TOKENS=0, where the retry restarts from zero. Goal: the resumed retry takes
+at most 0.3 of the restarted one.
 
     uv run python -m bench.resume --repeat 400 --every 1024
 
-Writes bench/results/resume-<model>-<tokens>.json: both prefill times (the engine's own
-`prefill_s`), their ratio, the kill-to-finished time of the retry against the uninterrupted
-job's submit-to-finished, where the kill fell and where the retry resumed.
+Writes bench/results/resume-<model>-<tokens>.json: the prefill times (the engine's own
+`prefill_s`) of the uninterrupted job and of both retries; the kill-to-finished time of both
+retries; their ratios, resumed over restarted (`resume_vs_restart_prefill_ratio`,
+`resume_vs_restart_kill_to_finished_ratio`) and, as before, over the uninterrupted job; where
+the kills fell and where the retries resumed.
 """
 
 import json
@@ -57,37 +60,70 @@ def resumed_from(home: Path, job_id: str) -> int:
     return 0
 
 
-def run_pair(model: str, document: str, every_tokens: int, kill_share: float) -> dict:
-    env = {**ENV, "RINGQ_CHECKPOINT_TOKENS": str(every_tokens)}
-    env["RINGQ_RANK_PORT_BASE"] = os.environ.get("RINGQ_RANK_PORT_BASE", "34800")
+def run_jobs(model: str, document: str, every_tokens: int, kill_share: float) -> dict:
+    """The uninterrupted job and the killed one, checkpoints on; then the killed one again in a
+    cluster with checkpoints off (the same kill point): the restart from zero."""
     spec = JobSpec(kind=JobKind.PREFILL, document=document, model=model)
-    with private_cluster("resume", env) as cluster:
+    with private_cluster("resume", cluster_env(every_tokens)) as cluster:
         store = JobStore(connect(cluster.url))
         clean = submit_job(store.conn, spec)
         whole = wait_for(lambda: final_record(store, clean.id), "the clean run", TIMEOUT_S)
         if whole.state != JobState.FINISHED or whole.result is None:
             raise click.ClickException(f"the uninterrupted run ended {whole.state}: {whole.error}")
-        job = submit_job(store.conn, spec)
-        late = wait_for(lambda: late_in_prefill(store, job.id, kill_share), "the kill", TIMEOUT_S)
-        assert late.placement is not None
-        hint = checkpoint_hint(read_marks(store.conn, job.id))
-        killed_at = time.time()
-        os.kill(rank_pid(late.placement.group_id, late.placement.ranks - 1), signal.SIGKILL)
-        end = wait_for(lambda: final_record(store, job.id), "the retry", TIMEOUT_S)
-        if end.state != JobState.FINISHED or end.result is None:
-            raise click.ClickException(f"the retried run ended {end.state}: {end.error}")
-        return {
-            "prompt_tokens": whole.result.prompt_tokens,
-            "placement": whole.placement.reason if whole.placement else None,
-            "uninterrupted_prefill_s": whole.result.prefill_s,
-            "uninterrupted_submit_to_finished_s": whole.updated_at - whole.created_at,
-            "killed_at_tokens": late.progress.processed,
-            "checkpoint_at_kill_tokens": hint.tokens if hint else 0,
-            "retry_resumed_from_tokens": resumed_from(cluster.settings.home, job.id),
-            "retry_placement": end.placement.reason if end.placement else None,
-            "retry_prefill_s": end.result.prefill_s,
-            "retry_kill_to_finished_s": end.updated_at - killed_at,
-        }
+        resumed = killed_run(store, cluster.settings.home, spec, kill_share)
+    with private_cluster("restart", cluster_env(0)) as cluster:
+        restarted = killed_run(
+            JobStore(connect(cluster.url)), cluster.settings.home, spec, kill_share
+        )
+    return {
+        "prompt_tokens": whole.result.prompt_tokens,
+        "placement": whole.placement.reason if whole.placement else None,
+        "uninterrupted_prefill_s": whole.result.prefill_s,
+        "uninterrupted_submit_to_finished_s": whole.updated_at - whole.created_at,
+        **resumed,
+        **{f"restart_{key}": value for key, value in restarted.items()},
+    }
+
+
+def cluster_env(every_tokens: int) -> dict[str, str]:
+    port_base = os.environ.get("RINGQ_RANK_PORT_BASE", "34800")
+    return {**ENV, "RINGQ_CHECKPOINT_TOKENS": str(every_tokens), "RINGQ_RANK_PORT_BASE": port_base}
+
+
+def killed_run(store: JobStore, home: Path, spec: JobSpec, kill_share: float) -> dict:
+    """Submit `spec`, kill -9 its last rank once `kill_share` of the prefill is done, and wait
+    for the retry to finish."""
+    job = submit_job(store.conn, spec)
+    late = wait_for(lambda: late_in_prefill(store, job.id, kill_share), "the kill", TIMEOUT_S)
+    assert late.placement is not None
+    hint = checkpoint_hint(read_marks(store.conn, job.id))
+    killed_at = time.time()
+    os.kill(rank_pid(late.placement.group_id, late.placement.ranks - 1), signal.SIGKILL)
+    end = wait_for(lambda: final_record(store, job.id), "the retry", TIMEOUT_S)
+    if end.state != JobState.FINISHED or end.result is None:
+        raise click.ClickException(f"the retried run ended {end.state}: {end.error}")
+    return {
+        "killed_at_tokens": late.progress.processed,
+        "checkpoint_at_kill_tokens": hint.tokens if hint else 0,
+        "retry_resumed_from_tokens": resumed_from(home, job.id),
+        "retry_placement": end.placement.reason if end.placement else None,
+        "retry_prefill_s": end.result.prefill_s,
+        "retry_kill_to_finished_s": end.updated_at - killed_at,
+    }
+
+
+def ratios(result: dict) -> dict[str, float]:
+    """Resumed retry over the restart from zero (the goal: at most 0.3), and over the
+    uninterrupted job (prefill) / its submit-to-finished (kill to finished)."""
+    return {
+        "resume_vs_restart_prefill_ratio": result["retry_prefill_s"]
+        / result["restart_retry_prefill_s"],
+        "resume_vs_restart_kill_to_finished_ratio": result["retry_kill_to_finished_s"]
+        / result["restart_retry_kill_to_finished_s"],
+        "retry_prefill_ratio": result["retry_prefill_s"] / result["uninterrupted_prefill_s"],
+        "retry_end_to_end_ratio": result["retry_kill_to_finished_s"]
+        / result["uninterrupted_submit_to_finished_s"],
+    }
 
 
 @click.command()
@@ -96,12 +132,9 @@ def run_pair(model: str, document: str, every_tokens: int, kill_share: float) ->
 @click.option("--every", "every_tokens", default=1024, show_default=True)
 @click.option("--kill-at", "kill_share", default=0.85, show_default=True)
 def main(model: str, repeat: int, every_tokens: int, kill_share: float) -> None:
-    """Run the pair (see the module docstring) and write its JSON."""
-    result = run_pair(model, SENTENCE * repeat, every_tokens, kill_share)
-    result["retry_prefill_ratio"] = result["retry_prefill_s"] / result["uninterrupted_prefill_s"]
-    result["retry_end_to_end_ratio"] = (
-        result["retry_kill_to_finished_s"] / result["uninterrupted_submit_to_finished_s"]
-    )
+    """Run the three jobs (see the module docstring) and write their JSON."""
+    result = run_jobs(model, SENTENCE * repeat, every_tokens, kill_share)
+    result.update(ratios(result))
     result.update(
         model=model,
         checkpoint_tokens=every_tokens,

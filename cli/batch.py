@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cli.common import echo_json, redis_connection
+from cli.common import client, echo_json, redis_connection
 from cli.render import format_eta
 from jobs.batch import (
     BatchCounts,
@@ -17,9 +17,8 @@ from jobs.batch import (
     batch_results,
     cancel_batch,
     get_batch,
-    submit_batch,
 )
-from jobs.batch_input import Defaults, LineError, parse_batch_file, require_valid
+from jobs.batch_input import Defaults, LineError, parse_batch_file
 from jobs.schemas import BatchRecord
 from jobs.settings import get_settings
 
@@ -63,12 +62,8 @@ def submit(file: Path, skip_invalid: bool, model: str | None, max_tokens: int, a
     (OpenAI model names such as gpt-4o-mini do not run here: pass --model).
     """
     settings = get_settings()
-    defaults = Defaults.of(settings, model, max_tokens)
-    parsed = parse_batch_file(file, defaults, settings)
-    items = require_valid(parsed, skip_invalid)
-    skipped = [error.skipped() for error in parsed.errors]
-    conn = redis_connection()
-    record = submit_batch(conn, items, parsed.input_name, skipped=skipped, settings=settings)
+    parsed = parse_batch_file(file, Defaults.of(settings, model, max_tokens), settings)
+    record = client().batch_submit_parsed(parsed, skip_invalid=skip_invalid)
     if as_json:
         skipped_lines = [skipped_json(e) for e in parsed.errors]
         echo_json({**record_json(record), "skipped": skipped_lines, "hint": parsed.hint})

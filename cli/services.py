@@ -166,10 +166,17 @@ class LocalCluster:
         for _, process, _ in self.children:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        for _, process, _ in self.children:
+        for label, process, log_path in self.children:
             try:
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
+                logging.getLogger(__name__).warning(
+                    "ringq up: %s (pid %s) did not stop within 15 s of SIGTERM; killing it "
+                    "(its log: %s)",
+                    label,
+                    process.pid,
+                    log_path,
+                )
                 process.kill()
                 process.wait()
         if self.redis is not None:

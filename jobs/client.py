@@ -17,7 +17,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import redis
 
@@ -28,6 +28,9 @@ from jobs.listing import BatchSummary, JobSummary, list_batches, list_jobs
 from jobs.schemas import BatchRecord, JobKind, JobRecord, JobResult, JobSpec, NodeInfo
 from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
+
+if TYPE_CHECKING:
+    from jobs.batch_input import ParsedBatch
 
 WATCH_INTERVAL_S = 0.25
 
@@ -196,11 +199,20 @@ class Client:
         one batch. BatchInputError names the bad lines; with `skip_invalid` the good ones are
         enqueued and the record's `skipped` lists the others (they go to the errors file of
         batch_results). `model` overrides every line's."""
-        from jobs.batch import submit_batch
-        from jobs.batch_input import Defaults, parse_batch_file, require_valid
+        from jobs.batch_input import Defaults, parse_batch_file
 
         defaults = Defaults.of(self.settings, model, max_tokens)
         parsed = parse_batch_file(Path(path), defaults, self.settings)
+        return self.batch_submit_parsed(parsed, skip_invalid=skip_invalid, batch_id=batch_id)
+
+    def batch_submit_parsed(
+        self, parsed: "ParsedBatch", *, skip_invalid: bool = False, batch_id: str | None = None
+    ) -> BatchRecord:
+        """Enqueue a batch file already read by jobs.batch_input.parse_batch_file (whose errors
+        and hint the caller may show), as batch_submit does."""
+        from jobs.batch import submit_batch
+        from jobs.batch_input import require_valid
+
         items = require_valid(parsed, skip_invalid)
         skipped = [error.skipped() for error in parsed.errors]
         return submit_batch(

@@ -112,7 +112,9 @@ class Settings(BaseSettings):
     checkpoint_budget_bytes: int = Field(
         default=16 * 1024**3,
         gt=0,
-        description="Disk that prefill checkpoints may take on a node; past it they are skipped.",
+        description="Disk that the prefill checkpoints of a node's ranks may take (under "
+        "RINGQ_HOME/checkpoints/<job>/<node>); past it they are skipped. Apart from "
+        "RINGQ_CACHE_BYTES: ring_worker/checkpoint.py says why.",
     )
     backend: Literal["auto", Device] = Field(
         default="auto",

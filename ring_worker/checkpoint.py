@@ -3,14 +3,18 @@
 Every `every_tokens` prompt tokens, at a chunk boundary, each rank saves the part of its KV
 caches added since its previous checkpoint (and the few numbers its strategy needs to continue,
 e.g. a ring's per-rank lengths) as one segment,
-`RINGQ_HOME/checkpoints/<job>/<layout>-rank<r>-<start>-<end>.safetensors` (mlx-lm's prompt-cache
-format); a checkpoint is the chain of segments from token 0. Writing only the new part keeps
+`RINGQ_HOME/checkpoints/<job>/<node>/<layout>-rank<r>-<start>-<end>.safetensors` (mlx-lm's
+prompt-cache format; without a node, as for tests, straight in the job's folder); a checkpoint is
+the chain of segments from token 0. Writing only the new part keeps
 the cost per token constant: rewriting the whole cache each time grew with the prompt (a
 checkpoint at 1M tokens would write the whole 1M again; bench/checkpoint_cost.py). The compute
 thread only materialises the new slices; a writer thread writes them to a temporary file and
-renames it into place, so a crash mid-write leaves the chain before it whole. Segments count
-against a disk budget (past it, the rank's chain stops growing) and are deleted when the job
-ends.
+renames it into place, so a crash mid-write leaves the chain before it whole. A node's segments
+count against its own disk budget, RINGQ_CHECKPOINT_BUDGET_BYTES (past it, the rank's chain stops
+growing), and are deleted when the job ends. The budget is not the kept caches'
+(RINGQ_CACHE_BYTES): that store is full in its steady state (least recently used files go only
+when a new one needs room), so a checkpoint would have to evict kept caches, whose index entries
+live in Redis, which the writer here (engine side) does not reach: they would go stale.
 """
 
 import contextlib
@@ -18,6 +22,7 @@ import logging
 import os
 import queue
 import re
+import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,18 +42,33 @@ def checkpoint_dir(home: Path, job_id: str) -> Path:
     return home / "checkpoints" / job_id
 
 
+def parts_dir(home: Path, job_id: str, node: str | None = None) -> Path:
+    """Where the ranks on `node` keep their parts of a job's checkpoint: a folder per node, as
+    the local nodes of `ringq up` share one RINGQ_HOME and each counts only its own parts."""
+    folder = checkpoint_dir(home, job_id)
+    return folder / node if node else folder
+
+
 def segment_path(
-    home: Path, job_id: str, layout: str, rank: int, start_tokens: int, end_tokens: int
+    home: Path,
+    job_id: str,
+    layout: str,
+    rank: int,
+    start_tokens: int,
+    end_tokens: int,
+    node: str | None = None,
 ) -> Path:
     """One checkpoint segment: rank `rank`'s KV of prompt tokens [start, end). `layout` names the
     group's shape (e.g. "single-1", "ring-2"): only the same shape can continue from it."""
     name = f"{layout}-rank{rank}-{start_tokens}-{end_tokens}{SUFFIX}"
-    return checkpoint_dir(home, job_id) / name
+    return parts_dir(home, job_id, node) / name
 
 
-def segment_chain(home: Path, job_id: str, layout: str, rank: int) -> list[tuple[int, Path]]:
+def segment_chain(
+    home: Path, job_id: str, layout: str, rank: int, node: str | None = None
+) -> list[tuple[int, Path]]:
     """(end tokens, path) of the rank's segments that follow each other from token 0."""
-    folder = checkpoint_dir(home, job_id)
+    folder = parts_dir(home, job_id, node)
     pattern = re.compile(rf"{re.escape(layout)}-rank{rank}-(\d+)-(\d+){re.escape(SUFFIX)}")
     found = []
     for path in folder.iterdir() if folder.is_dir() else []:
@@ -72,10 +92,15 @@ class Resume:
 
 
 def read_checkpoint(
-    home: Path, job_id: str, layout: str, rank: int, upto_tokens: int | None = None
+    home: Path,
+    job_id: str,
+    layout: str,
+    rank: int,
+    upto_tokens: int | None = None,
+    node: str | None = None,
 ) -> Resume | None:
     """The rank's checkpoint: its segments from token 0 (up to `upto_tokens`) joined."""
-    chain = [(end, path) for end, path in segment_chain(home, job_id, layout, rank)
+    chain = [(end, path) for end, path in segment_chain(home, job_id, layout, rank, node)
              if upto_tokens is None or end <= upto_tokens]  # fmt: skip
     if not chain:
         return None
@@ -95,11 +120,17 @@ def read_checkpoint(
 
 
 def resumable_tokens(
-    home: Path, job_id: str, layout: str, rank: int, chunk_tokens: int, total_tokens: int
+    home: Path,
+    job_id: str,
+    layout: str,
+    rank: int,
+    chunk_tokens: int,
+    total_tokens: int,
+    node: str | None = None,
 ) -> int:
     """The furthest point this rank's segments reach that a run of `chunk_tokens` chunks over a
     `total_tokens` prompt can continue from (0: none)."""
-    ends = [end for end, _ in segment_chain(home, job_id, layout, rank)]
+    ends = [end for end, _ in segment_chain(home, job_id, layout, rank, node)]
     return max((e for e in ends if e % chunk_tokens == 0 and e < total_tokens), default=0)
 
 
@@ -110,21 +141,20 @@ def saved_tokens(home: Path, job_id: str, layout: str, ranks: int) -> int:
 
 
 def delete_checkpoints(home: Path, job_id: str) -> int:
-    """Remove a job's checkpoints (when it ends); the bytes freed."""
+    """Remove a job's checkpoints, every node's parts (when it ends); the bytes freed."""
     folder = checkpoint_dir(home, job_id)
-    freed = 0
-    for path in folder.glob("*") if folder.is_dir() else []:
-        freed += file_bytes(path)
-        path.unlink(missing_ok=True)
-    if folder.is_dir():
-        folder.rmdir()
+    freed = sum(file_bytes(p) for p in folder.rglob("*") if p.is_file())
+    shutil.rmtree(folder, ignore_errors=True)
     return freed
 
 
-def checkpoint_bytes(home: Path) -> int:
-    """Disk the checkpoints of every job on this node take."""
+def checkpoint_bytes(home: Path, node: str | None = None) -> int:
+    """Disk the checkpoints of every job take: the parts of `node`'s ranks, or all of them."""
     root = home / "checkpoints"
-    return sum(file_bytes(p) for p in root.rglob(f"*{SUFFIX}*")) if root.is_dir() else 0
+    if not root.is_dir():
+        return 0
+    pattern = f"*/{node}/*{SUFFIX}*" if node else f"**/*{SUFFIX}*"
+    return sum(file_bytes(p) for p in root.glob(pattern))
 
 
 def snapshot(cache: list[Any], from_offset: int = 0) -> list[KVCache]:
@@ -165,15 +195,20 @@ class Checkpointer:
         budget_bytes: int,
         on_change: Callable[[int], None] | None = None,
         skip_while_busy: bool = False,
+        node: str | None = None,
     ):
-        """`on_change(tokens)`: called (from the writer thread) once the checkpoint reaches
-        `tokens` prompt tokens on disk, and with 0 once it is deleted; the service records there
-        which node holds the part (jobs/checkpoint_marks.py). `skip_while_busy`: no checkpoint
-        is due while the writer still writes the last one, so the prefill never waits for the
-        disk and at most one segment's copy is held (the next segment covers more tokens)."""
+        """`node`: the node this rank runs on; its parts go to the node's folder, and
+        `budget_bytes` bounds the parts of that node's ranks (without a node: every checkpoint
+        under `home`). `on_change(tokens)`: called (from the writer thread) once the checkpoint
+        reaches `tokens` prompt tokens on disk, and with 0 once it is deleted; the service
+        records there which node holds the part (jobs/checkpoint_marks.py). `skip_while_busy`:
+        no checkpoint is due while the writer still writes the last one, so the prefill never
+        waits for the disk and at most one segment's copy is held (the next segment covers more
+        tokens)."""
         if every_tokens <= 0:
             raise ValueError(f"every_tokens must be positive, got {every_tokens}")
         self.home, self.job_id, self.layout, self.rank = home, job_id, layout, rank
+        self.node, self.folder = node, parts_dir(home, job_id, node)
         self.every_tokens, self.budget_bytes = every_tokens, budget_bytes
         self.on_change, self.skip_while_busy = on_change, skip_while_busy
         self.saved_tokens = 0  # prompt tokens handed to the writer so far
@@ -210,7 +245,7 @@ class Checkpointer:
 
     def delete(self) -> None:
         """Remove this rank's segments (and a partial one)."""
-        folder = checkpoint_dir(self.home, self.job_id)
+        folder = self.folder
         for path in folder.glob(f"{self.layout}-rank{self.rank}-*") if folder.is_dir() else []:
             path.unlink(missing_ok=True)
         if self.saved_tokens:
@@ -230,7 +265,7 @@ class Checkpointer:
     def _write(self, segment: _Segment) -> None:
         size = sum(c.keys.nbytes + c.values.nbytes for c in segment.caches)
         # a segment missing breaks the chain: later ones could not be continued from
-        if self.skipped or checkpoint_bytes(self.home) + size > self.budget_bytes:
+        if self.skipped or checkpoint_bytes(self.home, self.node) + size > self.budget_bytes:
             self.skipped += 1
             log.info(
                 "job %s rank %d: checkpoint at %d tokens skipped (disk budget)",
@@ -239,9 +274,8 @@ class Checkpointer:
                 segment.end_tokens,
             )
             return
-        path = segment_path(
-            self.home, self.job_id, self.layout, self.rank, segment.start_tokens, segment.end_tokens
-        )
+        start, end = segment.start_tokens, segment.end_tokens
+        path = segment_path(self.home, self.job_id, self.layout, self.rank, start, end, self.node)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial" + SUFFIX)
         metadata = {**segment.state, "job": self.job_id, "tokens": str(segment.end_tokens)}
@@ -272,18 +306,20 @@ def start_checkpoints(
     chunk_tokens: int,
     total_tokens: int,
     on_change: Callable[[int], None] | None = None,
+    node: str | None = None,
 ) -> tuple[Checkpointer | None, Resume | None]:
     """What one rank's prefill needs: a Checkpointer (None when `every_tokens` is 0) and the
     checkpoint all ranks continue from: the furthest point every rank's segments reach on a
-    boundary of this run's chunks (None: from the start). Call on every rank of the group."""
+    boundary of this run's chunks (None: from the start). Call on every rank of the group.
+    `node` and `budget_bytes` as for Checkpointer."""
     if every_tokens <= 0:
         return None, None
     saver = Checkpointer(
-        home, job_id, layout, rank, every_tokens, budget_bytes, on_change, skip_while_busy=True
+        home, job_id, layout, rank, every_tokens, budget_bytes, on_change, True, node
     )
-    reach = resumable_tokens(home, job_id, layout, rank, chunk_tokens, total_tokens)
+    reach = resumable_tokens(home, job_id, layout, rank, chunk_tokens, total_tokens, node)
     common = min(gather(reach))  # a rank's writer may have lagged one segment behind
-    mine = read_checkpoint(home, job_id, layout, rank, common) if common > 0 else None
+    mine = read_checkpoint(home, job_id, layout, rank, common, node) if common > 0 else None
     resume = agree_on_resume(mine, gather)
     if resume is not None:
         saver.continue_from(resume)
@@ -308,5 +344,6 @@ def end_checkpoints(saver: Checkpointer | None, keep: bool) -> None:
     saver.close()
     if not keep:
         saver.delete()
-        with contextlib.suppress(OSError):  # another rank's part may still be there
-            checkpoint_dir(saver.home, saver.job_id).rmdir()
+        for folder in (saver.folder, checkpoint_dir(saver.home, saver.job_id)):
+            with contextlib.suppress(OSError):  # another rank's part may still be there
+                folder.rmdir()

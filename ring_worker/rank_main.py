@@ -171,6 +171,7 @@ def checkpointed_prefill(
             io.chunk_tokens(),
             len(tokens),
             on_change=partial(io.checkpointed, group, ctx.rank),
+            node=group.nodes[ctx.rank],
         )
     try:
         prefill = engine.prefill(
