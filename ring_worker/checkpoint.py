@@ -159,14 +159,16 @@ def checkpoint_bytes(home: Path, node: str | None = None) -> int:
 
 def snapshot(cache: list[Any], from_offset: int = 0) -> list[KVCache]:
     """Evaluated copies of the caches' part from `from_offset` to their end, safe to write while
-    prefill goes on: new arrays, never the cache's own buffers (which the next chunk updates in
-    place)."""
+    prefill goes on: new arrays, never views of the cache's own buffers. A slice is a view: held
+    until written, it kept each layer's whole buffer alive (when the cache grew, the old one
+    too), so a 128K-token prefill of the 8B shape on one H200 peaked 14 GiB higher with
+    checkpoints on (bench/results/h200-service/README.md)."""
     copies = []
     for layer in cache:
         if type(layer) is not KVCache:
             raise ValueError(f"checkpoints keep plain KV caches, not {type(layer).__name__}")
-        keys = layer.keys[..., from_offset : layer.offset, :]
-        values = layer.values[..., from_offset : layer.offset, :]
+        keys = mx.contiguous(layer.keys[..., from_offset : layer.offset, :])
+        values = mx.contiguous(layer.values[..., from_offset : layer.offset, :])
         mx.eval(keys, values)
         copy = KVCache()
         copy.state = (keys, values, layer.offset - from_offset)

@@ -20,6 +20,7 @@ from ring_worker.checkpoint import (
     end_checkpoints,
     read_checkpoint,
     saved_tokens,
+    snapshot,
     start_checkpoints,
 )
 from ring_worker.engine import Engine
@@ -219,3 +220,19 @@ def test_a_resumed_ring_prefill_equals_an_uninterrupted_one(tiny_dir, short_tmp_
         assert result["resumed_from"] == 512
         assert result["resumed"] == result["expected"]
     assert saved_tokens(short_tmp_path / "home", "job-1", "ring-2", 2) == 512
+
+
+def test_a_snapshot_keeps_its_own_copy_not_the_cache_buffer():
+    """Held until written, a snapshot must not keep the cache's buffer alive (a view did: on a
+    GPU that held a second copy of the KV while prefill went on)."""
+    cache = KVCache()
+    keys = mx.random.normal((1, 2, 1000, 16))
+    cache.update_and_fetch(keys, keys + 1)
+    mx.eval(cache.state)
+    buffer_bytes = cache.keys.nbytes + cache.values.nbytes  # capacity 1024 positions
+    (copy,) = snapshot([cache], 900)
+    assert copy.offset == 100
+    assert mx.array_equal(copy.keys, keys[..., 900:, :])
+    before = mx.get_active_memory()
+    del cache, keys
+    assert mx.get_active_memory() <= before - buffer_bytes * 0.9
