@@ -71,14 +71,16 @@ def throttled(io: JobIO, lead: bool):
         if done not in (1, total) and now - clock.last_write_s < PROGRESS_INTERVAL_S:
             return
         clock.last_write_s = now
-        elapsed = max(now - clock.phase_started_s, 1e-9)
+        # the phase's first report has no rate yet (0: unknown), not done / 1e-9
+        elapsed = now - clock.phase_started_s
+        rate = done / elapsed if elapsed > 0 else 0.0
         io.progress(
             Progress(
                 phase=JobState(phase),
                 processed=done,
                 total=total,
-                prompt_tps=done / elapsed if phase == "prefill" else 0.0,
-                generation_tps=done / elapsed if phase == "decode" else 0.0,
+                prompt_tps=rate if phase == "prefill" else 0.0,
+                generation_tps=rate if phase == "decode" else 0.0,
             )
         )
 

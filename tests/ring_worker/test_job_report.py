@@ -1,0 +1,36 @@
+"""The lead rank's progress reports (ring_worker/job_report.py): rates from the phase's start."""
+
+import time
+from typing import Any, cast
+
+from jobs.schemas import Progress
+from ring_worker.job_io import JobIO
+from ring_worker.job_report import throttled
+
+
+class Recorded:
+    """Where the reports go (the part of JobIO that `throttled` writes to)."""
+
+    def __init__(self) -> None:
+        self.reports: list[Progress] = []
+
+    def progress(self, progress: Progress) -> None:
+        self.reports.append(progress)
+
+
+def test_a_phase_first_report_has_no_rate_and_later_ones_count_from_its_start():
+    io = Recorded()
+    report = throttled(cast(JobIO, cast(Any, io)), lead=True)
+    report("decode", 1, 10)  # the phase starts: no time has passed, no rate (was 1 / 1e-9)
+    time.sleep(0.05)
+    report("decode", 10, 10)
+    first, last = io.reports
+    assert first.generation_tps == 0.0 and first.prompt_tps == 0.0
+    assert 0 < last.generation_tps <= 10 / 0.05
+    assert last.prompt_tps == 0.0
+
+
+def test_only_the_lead_rank_reports():
+    io = Recorded()
+    throttled(cast(JobIO, cast(Any, io)), lead=False)("prefill", 1, 1)
+    assert io.reports == []
