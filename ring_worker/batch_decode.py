@@ -32,7 +32,6 @@ import mlx.core as mx
 from ring_worker.batch_cache import BatchCache
 from ring_worker.engine import Engine, PrefillResult, ProgressFn, RingEngine, StopFn
 from ring_worker.pipeline import PipelineEngine
-from ring_worker.row_attention import rows_attend_apart
 
 CLEAR_CACHE_STEPS = 256
 LogitsHook = Callable[[list[str], mx.array], None]  # (row keys, (rows, vocab) float32 logits)
@@ -85,8 +84,6 @@ def batch_decode_supported(engine: Engine) -> bool:
 
 class BatchDecoder:
     """Steps every sequence it holds together. `add` between steps; `step` until not `busy`."""
-
-    rows_apart = False  # True: attend row by row on CPU too (ring_worker/row_attention.py)
 
     def __init__(
         self, engine: Engine, on_logits: LogitsHook | None = None, max_batch: int | None = None
@@ -156,8 +153,7 @@ class BatchDecoder:
         """The forward pass of every row on its pending token, and the step's vote (lazy)."""
         assert self._vote is not None
         inputs = self._vote[0][:, None]
-        with rows_attend_apart(self.engine.model, force=self.rows_apart):
-            logits = self.engine.model(inputs, cache=self.cache.layers)[:, -1].astype(mx.float32)
+        logits = self.engine.model(inputs, cache=self.cache.layers)[:, -1].astype(mx.float32)
         if self.on_logits is not None:
             self.on_logits([s.request.key for s in self._rows], logits)
         vote = self._vote_rows(self._rows, logits)

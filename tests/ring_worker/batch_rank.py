@@ -39,11 +39,8 @@ SCHEDULE = (
 )
 
 
-def run_schedule(
-    engine: Engine, rows_apart: bool = False
-) -> tuple[dict[str, list[mx.array]], list[SequenceResult]]:
-    """Every sequence's logits at each of its decode steps (evaluated), and the results.
-    `rows_apart`: attend row by row (ring_worker/row_attention.py), as GPUs do."""
+def run_schedule(engine: Engine) -> tuple[dict[str, list[mx.array]], list[SequenceResult]]:
+    """Every sequence's logits at each of its decode steps (evaluated), and the results."""
     seen: dict[str, list[mx.array]] = {}
 
     def record(keys: list[str], logits: mx.array) -> None:
@@ -52,7 +49,6 @@ def run_schedule(
             seen.setdefault(key, []).append(logits[row])
 
     decoder = BatchDecoder(engine, on_logits=record)
-    decoder.rows_apart = rows_apart
     results: list[SequenceResult] = []
     step = 0
     while step <= max(e.join_step for e in SCHEDULE) or decoder.busy:
@@ -69,12 +65,12 @@ def main() -> None:
     model_dir, rank, addresses, out_dir = sys.argv[1:5]
     group = join_group(json.loads(addresses), int(rank), Path(out_dir))
     engine = RingEngine(load_tiny(Path(model_dir)), group, exchange="rotate")
-    for name, rows_apart in (("masked", False), ("apart", True)):
-        seen, results = run_schedule(engine, rows_apart)
-        logits = {k: mx.stack(v) for k, v in seen.items()}
-        mx.savez(str(Path(out_dir) / f"logits-{name}-rank{rank}.npz"), **logits)
-        tokens = {r.key: r.tokens for r in results}
-        (Path(out_dir) / f"tokens-{name}-rank{rank}.json").write_text(json.dumps(tokens))
+    seen, results = run_schedule(engine)
+    mx.savez(
+        str(Path(out_dir) / f"logits-rank{rank}.npz"), **{k: mx.stack(v) for k, v in seen.items()}
+    )
+    tokens = {r.key: r.tokens for r in results}
+    (Path(out_dir) / f"tokens-rank{rank}.json").write_text(json.dumps(tokens))
 
 
 if __name__ == "__main__":

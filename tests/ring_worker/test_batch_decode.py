@@ -15,7 +15,6 @@ from ring_worker.batch_decode import BatchDecoder, DecodeRequest
 from ring_worker.engine import Engine
 from ring_worker.group import free_loopback_ports
 from ring_worker.processes import rank_environment, spawn_rank, wait_all
-from ring_worker.row_attention import runs_of_equal_length
 from tests.ring_worker.batch_rank import CHUNK_TOKENS, SCHEDULE, run_schedule
 from tests.ring_worker.equivalence_rank import prompt_tokens
 from tests.ring_worker.tiny import load_tiny, save_tiny
@@ -61,10 +60,8 @@ def check_against_alone(model_dir, seen, tokens_by_key):
         assert tokens_by_key[entry.key] == want_tokens, entry.key
 
 
-@pytest.mark.parametrize("rows_apart", [False, True], ids=["masked", "row-by-row"])
-def test_batch_matches_each_sequence_alone(tiny_model_dir, rows_apart):
-    """Masked attention (CPU), and row by row without a mask (GPUs; forced here)."""
-    seen, results = run_schedule(Engine(model_at(tiny_model_dir)), rows_apart)
+def test_batch_matches_each_sequence_alone(tiny_model_dir):
+    seen, results = run_schedule(Engine(model_at(tiny_model_dir)))
     check_against_alone(tiny_model_dir, seen, {r.key: r.tokens for r in results})
     sizes = {r.key: r.max_batch_size for r in results}
     assert sizes["long"] == 5 and sizes["short"] == 3  # the schedule really overlapped
@@ -136,8 +133,7 @@ def test_bad_requests_are_refused(tiny_model_dir):
 
 
 def test_ring_replicated_batch_matches_alone(tiny_model_dir, tmp_path):
-    """A real 2-process ring group (rotate prefill, replicated KV) runs the schedule, masked and
-    row by row."""
+    """A real 2-process ring group (rotate prefill, replicated KV) runs the schedule."""
     addresses = json.dumps([f"127.0.0.1:{p}" for p in free_loopback_ports(2)])
     procs = [
         spawn_rank(
@@ -155,11 +151,9 @@ def test_ring_replicated_batch_matches_alone(tiny_model_dir, tmp_path):
     ]
     assert wait_all(procs, timeout_s=300) == [0, 0]
     for rank in range(2):
-        for name in ("masked", "apart"):
-            saved = mx.load(str(tmp_path / f"logits-{name}-rank{rank}.npz"))
-            seen = {k: list(v) for k, v in cast(dict, saved).items()}
-            tokens = json.loads((tmp_path / f"tokens-{name}-rank{rank}.json").read_text())
-            check_against_alone(tiny_model_dir, seen, tokens)
+        seen = {k: list(v) for k, v in mx.load(str(tmp_path / f"logits-rank{rank}.npz")).items()}
+        tokens = json.loads((tmp_path / f"tokens-rank{rank}.json").read_text())
+        check_against_alone(tiny_model_dir, seen, tokens)
 
 
 def test_an_emptied_batch_lets_go_of_its_buffers(tiny_model_dir):
@@ -181,9 +175,3 @@ def test_an_emptied_batch_lets_go_of_its_buffers(tiny_model_dir):
     rows, _, positions, _ = decoder.cache.layers[0].keys.shape
     assert (rows, positions) == (1, 256)
     assert [r.tokens for r in decoder.run()] == [alone(tiny_model_dir, 7, 4)[0]]
-
-
-def test_rows_of_one_length_attend_in_one_call():
-    assert runs_of_equal_length([5, 5, 3, 9, 9, 9]) == [(0, 2, 5), (2, 3, 3), (3, 6, 9)]
-    assert runs_of_equal_length([4]) == [(0, 1, 4)]
-    assert runs_of_equal_length([]) == []
