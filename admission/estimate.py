@@ -27,15 +27,15 @@ RING_SCORE_COPIES = 2.4  # ring partial attention: scores and their exp
 SHARDED_SCORE_COPIES = 2.2  # sharded ring: partials over every rank's past, merged per layer
 STORED_COPIES = 1.5  # dequantizing: packed weights plus float32 scales and biases
 EMBEDDING_TRANSIENT = 0.6  # of the dense embedding, while it is dequantized
-# Fitted on one H200 (MLX CUDA 0.32.4, bf16, 8B and 1B shapes, 8K-128K tokens, chunks 4K-16K):
-# mx.get_peak_memory() exceeded weights + KV + one layer's tensors by 0.8-12 GiB, about as much
-# again as the weights for the 8B shape and growing with the context for the 1B one. Why is not
-# known yet (MLX's CUDA allocator keeps freed buffers, and the peak may count them); these
-# bound every measured cell from above (predicted / measured 1.00-1.69).
-GPU_WEIGHT_TRANSIENT = 0.95  # of the rank's weights
-GPU_KV_TRANSIENT = 0.5  # of its KV
-GPU_ACTIVATION_COPIES = 6  # of one layer's hidden and MLP tensors for one chunk
-GPU_CHUNK_LOGIT_COPIES = 0.5  # of vocab x chunk in the compute dtype
+# Fitted on one H200 (MLX CUDA 0.32.4, bf16, 8B and 1B shapes, 8K-128K tokens, 16K chunks),
+# prefill paced layer by layer (ring_worker/pacing.py: before it, MLX's queued kernels held
+# 8-12 GiB more on the 8B shape): about three layers' tensors are alive (two queued, one being
+# built), and while mlx-lm's KVCache grows, about three layers' KV are copied at once.
+GPU_ACTIVATION_COPIES = 3  # of one layer's hidden and MLP tensors for one chunk
+GPU_KV_LAYER_COPIES = 3  # of one layer's KV (the cache's growth copies)
+# Checkpoints (ring_worker/checkpoint.py) hold copies of the KV added since the last one written:
+# at most HELD_SEGMENTS segments of at most max_segment_tokens each.
+HELD_SEGMENTS = 2  # one being written, one queued
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,14 @@ class MemoryEstimate:
     activation_bytes: int
     load_extra_bytes: int  # only while loading
     overhead_bytes: int = PROCESS_OVERHEAD_BYTES
+    checkpoint_bytes: int = 0  # KV copies held for checkpoints during prefill
 
     @property
     def mlx_peak_bytes(self) -> int:
         """What mx.get_peak_memory() should report on this rank (calibrated)."""
         loading = self.weights_bytes + self.load_extra_bytes
         prefill = self.weights_bytes + self.kv_bytes + self.activation_bytes
+        prefill += self.checkpoint_bytes
         return int(max(loading, prefill) * MARGIN)
 
     @property
@@ -82,15 +84,36 @@ def estimate_node_bytes(
     chunk_tokens: int,
     *,
     dense_weights: bool,
+    checkpoint_tokens: int = 0,
 ) -> MemoryEstimate:
     """Bytes the busiest rank of `layout` needs. `dense_weights`: a CPU node (it dequantizes to
-    float32 and its attention materialises scores)."""
+    float32 and its attention materialises scores). `checkpoint_tokens`: the prefill checkpoint
+    interval (RINGQ_CHECKPOINT_TOKENS; 0: off)."""
     context = prompt_tokens + max_new_tokens
+    held = checkpoint_held_tokens(prompt_tokens, chunk_tokens, checkpoint_tokens)
     per_rank = [
-        _rank_estimate(shape, context, prompt_tokens, layout, chunk_tokens, rank, dense_weights)
+        _rank_estimate(
+            shape, context, prompt_tokens, layout, chunk_tokens, rank, dense_weights, held
+        )
         for rank in range(layout.size if layout.strategy == "pipeline" else 1)
     ]
     return max(per_rank, key=lambda e: e.total_bytes)
+
+
+def max_segment_tokens(checkpoint_tokens: int, chunk_tokens: int) -> int:
+    """The most prompt tokens one checkpoint segment covers when the writer lags: two intervals
+    (or two chunks, when chunks are longer: checkpoints fall on chunk boundaries)."""
+    return 2 * max(checkpoint_tokens, chunk_tokens)
+
+
+def checkpoint_held_tokens(prompt_tokens: int, chunk_tokens: int, checkpoint_tokens: int) -> int:
+    """Prompt tokens whose KV a rank's checkpoints may hold in memory at once during prefill:
+    HELD_SEGMENTS segments, never more than the prompt before its last chunk; 0 when they are
+    off or none is due (a prompt within one interval or one chunk)."""
+    if checkpoint_tokens <= 0 or prompt_tokens <= max(checkpoint_tokens, chunk_tokens):
+        return 0
+    held = HELD_SEGMENTS * max_segment_tokens(checkpoint_tokens, chunk_tokens)
+    return min(prompt_tokens - chunk_tokens, held)
 
 
 def _rank_estimate(
@@ -101,6 +124,7 @@ def _rank_estimate(
     chunk_tokens: int,
     rank: int,
     cpu: bool,
+    checkpoint_held: int = 0,
 ) -> MemoryEstimate:
     layers, params, embedding = _rank_parameters(shape, layout, rank)
     stored_per_param = shape.weight_bytes / shape.parameters
@@ -114,29 +138,26 @@ def _rank_estimate(
     if layout.strategy == "ring" and layout.kv_layout == "sharded":
         kv_tokens = -(-context // layout.size) + -(-chunk_tokens // layout.size)
     kv = kv_per_token_layer * layers * _cache_tokens(kv_tokens)
+    held = kv_per_token_layer * layers * checkpoint_held
+    if layout.strategy == "ring" and layout.kv_layout == "sharded":
+        held = -(-held // layout.size)  # each rank checkpoints its own share
     weights = int(params * resident)
     activations = activation_bytes(shape, layout, prompt_tokens, chunk_tokens, cpu)
     if not cpu:
-        activations = gpu_transient_bytes(shape, weights, kv, activations, chunk_tokens)
+        activations = gpu_transient_bytes(kv // layers, activations)
     return MemoryEstimate(
         weights_bytes=weights,
         kv_bytes=kv,
         activation_bytes=activations,
         load_extra_bytes=load_extra,
+        checkpoint_bytes=held,
     )
 
 
-def gpu_transient_bytes(
-    shape: ModelShape, weights: int, kv: int, activations: int, chunk_tokens: int
-) -> int:
-    """What a GPU rank's MLX peak holds beyond its weights and KV during prefill (fitted)."""
-    logits = shape.vocab_size * chunk_tokens * shape.compute_dtype_bytes
-    return int(
-        GPU_WEIGHT_TRANSIENT * weights
-        + GPU_KV_TRANSIENT * kv
-        + GPU_ACTIVATION_COPIES * activations
-        + GPU_CHUNK_LOGIT_COPIES * logits
-    )
+def gpu_transient_bytes(layer_kv: int, activations: int) -> int:
+    """What a GPU rank's MLX peak holds beyond its weights and KV during prefill (fitted):
+    `activations` is one layer's tensors for one chunk, `layer_kv` one layer's KV."""
+    return int(GPU_ACTIVATION_COPIES * activations + GPU_KV_LAYER_COPIES * layer_kv)
 
 
 def _rank_parameters(shape: ModelShape, layout: Layout, rank: int) -> tuple[int, int, int]:

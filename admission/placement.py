@@ -39,6 +39,7 @@ class PlacementRequest:
     ring_min_tokens: int  # automatic choice: shorter prompts run on the fewest nodes
     kv_layout: str = "auto"  # "auto" | "replicated" | "sharded" (ring groups)
     preferred_nodes: tuple[str, ...] = ()  # taken first among those that fit (a kept prefix)
+    checkpoint_tokens: int = 0  # prefill checkpoint interval (0: off): their KV copies count
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ def node_estimate(
         layout,
         chunk,
         dense_weights=node.dense_weights,
+        checkpoint_tokens=request.checkpoint_tokens,
     )
 
 

@@ -71,13 +71,22 @@ def parse_layout(label: str) -> Layout:
     return Layout(cast(Strategy, strategy), int(size), cast(KVLayout, kv_layout))
 
 
-def predict(model: str, pp: int, layout: Layout, chunk_tokens: int, gpu: bool = False) -> int:
-    """CPU ranks compute in float32 on dense weights; GPU ranks in the model's own dtype."""
+def predict(
+    model: str,
+    pp: int,
+    layout: Layout,
+    chunk_tokens: int,
+    gpu: bool = False,
+    checkpoint_tokens: int = 0,
+) -> int:
+    """CPU ranks compute in float32 on dense weights; GPU ranks in the model's own dtype.
+    `checkpoint_tokens`: the interval the cells ran with (the CPU table predates checkpoints)."""
     source = resolve_model(model, allowed_dirs=None)
     shape = read_model_shape(source, dtype=default_dtype(source) if gpu else "float32")
     return estimate_node_bytes(
-        shape, pp, 0, layout, chunk_tokens, dense_weights=not gpu
-    ).mlx_peak_bytes
+        shape, pp, 0, layout, chunk_tokens, dense_weights=not gpu,
+        checkpoint_tokens=checkpoint_tokens,
+    ).mlx_peak_bytes  # fmt: skip
 
 
 def print_row(model: str, pp: int, label: str, predicted: int, peaks: list[int]) -> float:
@@ -102,6 +111,7 @@ def print_table(path: Path) -> int:
                 parse_layout(cell["layout"]),
                 report["chunk_tokens"],
                 report.get("gpu", False),
+                report.get("checkpoint_tokens", 0),
             ),
             cell["measured_bytes"],
         )
@@ -139,6 +149,7 @@ def main() -> int:
         for layout in LAYOUTS
         if args.layouts is None or layout.label.split()[0] in args.layouts.split(",")
     ]
+    checkpoint_tokens = get_settings().checkpoint_tokens  # what the ranks run with
     rows = []
     scratch = Path(tempfile.mkdtemp(prefix="calibrate-"))
     print(HEADER, flush=True)
@@ -156,12 +167,15 @@ def main() -> int:
                         "seconds": time.perf_counter() - started,
                     }
                 )
-                predicted = predict(model, pp, layout, args.chunk_tokens, args.gpu)
+                predicted = predict(
+                    model, pp, layout, args.chunk_tokens, args.gpu, checkpoint_tokens
+                )
                 print_row(model, pp, layout.label, predicted, peaks)
     if args.json_out:
         config = {
             "chunk_tokens": args.chunk_tokens,
             "gpu": args.gpu,
+            "checkpoint_tokens": checkpoint_tokens,
             "command": " ".join(sys.argv),
         }
         args.json_out.write_text(json.dumps({**config, "cells": rows}, indent=1) + "\n")

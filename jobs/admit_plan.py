@@ -276,6 +276,7 @@ def placement_request(
         ring_min_tokens=ring_min,
         kv_layout=settings.kv_layout,
         preferred_nodes=job.prefix.kept_nodes,
+        checkpoint_tokens=settings.checkpoint_tokens,
     )
     return request, reason
 

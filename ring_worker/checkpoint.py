@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
+from admission.estimate import HELD_SEGMENTS, max_segment_tokens
 from jobs.files import file_bytes
 
 log = logging.getLogger(__name__)
@@ -198,15 +199,19 @@ class Checkpointer:
         on_change: Callable[[int], None] | None = None,
         skip_while_busy: bool = False,
         node: str | None = None,
+        max_segment_tokens: int | None = None,
     ):
         """`node`: the node this rank runs on; its parts go to the node's folder, and
         `budget_bytes` bounds the parts of that node's ranks (without a node: every checkpoint
         under `home`). `on_change(tokens)`: called (from the writer thread) once the checkpoint
         reaches `tokens` prompt tokens on disk, and with 0 once it is deleted; the service
         records there which node holds the part (jobs/checkpoint_marks.py). `skip_while_busy`:
-        no checkpoint is due while the writer still writes the last one, so the prefill never
-        waits for the disk and at most one segment's copy is held (the next segment covers more
-        tokens)."""
+        no checkpoint is due while the writer still writes the last one, so the prefill does not
+        wait for the disk (the next segment covers more tokens) -- until the unsaved part reaches
+        `max_segment_tokens`: then one is due anyway, and the prefill waits while two segments'
+        copies are held (one being written, one queued). Memory held for checkpoints is then at
+        most 2 x max_segment_tokens of this rank's KV (admission counts it:
+        admission/estimate.checkpoint_held_tokens)."""
         if every_tokens <= 0:
             raise ValueError(f"every_tokens must be positive, got {every_tokens}")
         self.home, self.job_id, self.layout, self.rank = home, job_id, layout, rank
@@ -216,15 +221,22 @@ class Checkpointer:
         self.saved_tokens = 0  # prompt tokens handed to the writer so far
         self.saved_offset = 0  # this rank's cache length then (a ring rank holds a share)
         self.skipped = 0  # segments not written: over the disk budget (or after one that was)
+        self.max_segment_tokens = max_segment_tokens
         self._queue: queue.Queue[_Segment | None] = queue.Queue(1)
+        self._held = threading.Semaphore(HELD_SEGMENTS)  # segment copies alive at once
         self._writing = False
         self._writer = threading.Thread(target=self._write_forever, daemon=True, name="checkpoint")
         self._writer.start()
 
     def due(self, done_tokens: int) -> bool:
-        if self.skip_while_busy and (self._writing or not self._queue.empty()):
+        busy = self._writing or not self._queue.empty()
+        if self.skip_while_busy and busy and not self._segment_full(done_tokens):
             return False
         return done_tokens // self.every_tokens > self.saved_tokens // self.every_tokens
+
+    def _segment_full(self, done_tokens: int) -> bool:
+        cap = self.max_segment_tokens
+        return cap is not None and done_tokens - self.saved_tokens >= cap
 
     def continue_from(self, resume: Resume) -> None:
         """The prefill continues from `resume`: the next segment starts where it ends."""
@@ -232,8 +244,9 @@ class Checkpointer:
         self.saved_offset = resume.cache[0].offset if resume.cache else 0
 
     def save(self, cache: list[Any], done_tokens: int, state: dict[str, str]) -> None:
-        """Hand the caches' part since the last save to the writer (waits only while the
-        previous segment is still being written)."""
+        """Hand the caches' part since the last save to the writer (waits while two segments'
+        copies are held)."""
+        self._held.acquire()
         copies = snapshot(cache, self.saved_offset)
         segment = _Segment(copies, self.saved_tokens, done_tokens, state)
         self.saved_tokens = done_tokens
@@ -262,7 +275,9 @@ class Checkpointer:
                 self.skipped += 1
                 log.exception("job %s rank %d: checkpoint not written", self.job_id, self.rank)
             finally:
+                del segment  # its copies, before the next save may take another
                 self._writing = False
+                self._held.release()
 
     def _write(self, segment: _Segment) -> None:
         size = sum(c.keys.nbytes + c.values.nbytes for c in segment.caches)
@@ -317,8 +332,9 @@ def start_checkpoints(
     if every_tokens <= 0:
         return None, None
     saver = Checkpointer(
-        home, job_id, layout, rank, every_tokens, budget_bytes, on_change, True, node
-    )
+        home, job_id, layout, rank, every_tokens, budget_bytes, on_change, True, node,
+        max_segment_tokens=max_segment_tokens(every_tokens, chunk_tokens),
+    )  # fmt: skip
     reach = resumable_tokens(home, job_id, layout, rank, chunk_tokens, total_tokens, node)
     common = min(gather(reach))  # a rank's writer may have lagged one segment behind
     mine = read_checkpoint(home, job_id, layout, rank, common, node) if common > 0 else None

@@ -26,6 +26,7 @@ H200_CALIBRATION = RESULTS / "h200-service" / "admission-calibration-h200.json"
 MIB = 1024**2
 GOLDEN_ATOL_MIB = 0.05 + 1e-9  # the table prints one decimal
 MAX_RATIO = 1.45  # the table's worst fit is 1.42 (the tiny model's ring cells at 512 tokens)
+GPU_MAX_RATIO = 1.25  # the goal; the H200 cells fit 1.06-1.17
 ROW = re.compile(r"^\| (\S+) \| (\d+) \| ([^|]+?) \| ([\d.]+) \| ([\d. /]+) \| ([\d.]+) \|$")
 
 
@@ -90,7 +91,11 @@ def test_estimates_match_the_calibration(label):
 def h200_cells() -> list[dict]:
     report = json.loads(H200_CALIBRATION.read_text())
     assert report["gpu"] is True
-    return [{**cell, "chunk_tokens": report["chunk_tokens"]} for cell in report["cells"]]
+    ran_with = {
+        "chunk_tokens": report["chunk_tokens"],
+        "checkpoint_tokens": report["checkpoint_tokens"],
+    }
+    return [{**cell, **ran_with} for cell in report["cells"]]
 
 
 def test_the_h200_measurements_cover_both_models_at_every_length():
@@ -103,9 +108,12 @@ def test_the_h200_measurements_cover_both_models_at_every_length():
 
 
 @pytest.mark.parametrize("cell", h200_cells(), ids=lambda c: f"{c['model']}-{c['pp']}")
-def test_gpu_estimates_are_never_under_the_h200_peaks(cell):
+def test_gpu_estimates_are_within_1_25x_above_the_h200_peaks(cell):
     layout = parse_layout(cell["layout"])
-    got = predict(cell["model"], cell["pp"], layout, cell["chunk_tokens"], gpu=True)
+    got = predict(
+        cell["model"], cell["pp"], layout, cell["chunk_tokens"], True, cell["checkpoint_tokens"]
+    )
     peak = max(cell["measured_bytes"])
     where = f"{cell['model']}, {cell['pp']} tokens"
     assert got >= peak, f"{where}: {got / MIB:.1f} MiB, under the {peak / MIB:.1f} measured"
+    assert got <= GPU_MAX_RATIO * peak, f"{where}: {got / peak:.2f}x the measured peak"

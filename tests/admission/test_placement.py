@@ -137,9 +137,9 @@ BIG = ModelShape(
     ("tokens", "live", "label"),
     [
         (100_000, gpus(40, 40), "ring-2 (replicated KV)"),  # 8 + 12.2 GiB KV fit everywhere
-        (100_000, gpus(30, 30), "ring-2 (sharded KV)"),  # the whole KV does not, half does
-        (100_000, gpus(22, 22), "pipeline-2"),  # weights + half the KV: only split by layers
-        (100_000, gpus(14, 14, 14, 14), "pipeline-4"),  # no ring of 4 fits, 1/4 of the layers does
+        (100_000, gpus(20, 20), "ring-2 (sharded KV)"),  # the whole KV does not, half does
+        (100_000, gpus(15, 15), "pipeline-2"),  # weights + half the KV: only split by layers
+        (100_000, gpus(10, 10, 10, 10), "pipeline-4"),  # no ring of 4 fits, 1/4 of the layers does
         (100, gpus(40, 40), "single"),  # short prompt: the fewest nodes
     ],
 )

@@ -222,6 +222,50 @@ def test_a_resumed_ring_prefill_equals_an_uninterrupted_one(tiny_dir, short_tmp_
     assert saved_tokens(short_tmp_path / "home", "job-1", "ring-2", 2) == 512
 
 
+def test_a_lagging_writer_holds_at_most_two_segments_then_the_prefill_waits(short_tmp_path):
+    """Skipping while the writer is busy must not let one segment grow without bound (its copy
+    is memory, on a GPU device memory): past max_segment_tokens a checkpoint is due anyway, and
+    a third segment waits until one of the two held is written."""
+    writing, release = threading.Event(), threading.Event()
+
+    def hold(tokens: int) -> None:
+        writing.set()
+        release.wait(30)
+
+    saver = Checkpointer(
+        short_tmp_path, "j", "single-1", 0, 64, 1 << 30, hold, True, max_segment_tokens=128
+    )
+    cache = filled_cache(64)
+    saver.save(cache, 64, {})  # being written, held in `hold`
+    assert writing.wait(30)
+    grow(cache, 64)
+    assert not saver.due(128)  # 64 unsaved tokens: skipped
+    grow(cache, 64)
+    assert saver.due(192)  # 128 unsaved: due although the writer is busy
+    saver.save(cache, 192, {})  # queued: two segments held
+    grow(cache, 128)
+    assert saver.due(320)
+    segment_bytes = sum(2 * layer.keys[..., 192:320, :].nbytes for layer in cache)
+    before = mx.get_active_memory()
+    held_then: list[int] = []
+
+    def disk_catches_up() -> None:
+        held_then.append(mx.get_active_memory() - before)
+        release.set()
+
+    threading.Timer(0.5, disk_catches_up).start()
+    # on the compute thread, as in a prefill (MLX streams are per thread)
+    saver.save(cache, 320, {})
+    assert release.is_set()  # it returned only once the first segment was written
+    assert held_then[0] < segment_bytes / 2, (held_then, segment_bytes)  # no third copy meanwhile
+    saver.close()
+    assert sorted(p.name for p in checkpoint_dir(short_tmp_path, "j").iterdir()) == [
+        "single-1-rank0-0-64.safetensors",
+        "single-1-rank0-192-320.safetensors",
+        "single-1-rank0-64-192.safetensors",
+    ]
+
+
 def test_a_snapshot_keeps_its_own_copy_not_the_cache_buffer():
     """Held until written, a snapshot must not keep the cache's buffer alive (a view did: on a
     GPU that held a second copy of the KV while prefill went on)."""
