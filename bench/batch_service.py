@@ -26,9 +26,6 @@ machine and the load before and after. Writes bench/results/batch-service-<model
 """
 
 import json
-import os
-import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -38,11 +35,12 @@ from pathlib import Path
 
 import click
 
-from bench.batch_decode import git_commit
+from cli.bench_machine import machine_info
 from jobs.lifecycle import JobState
 from jobs.model_catalog import resolve_model
 from jobs.redis_server import connect
 from jobs.schemas import JobKind, JobRecord, JobSpec
+from jobs.settings import get_settings
 from jobs.store import JobStore
 from jobs.submit import enqueue_jobs, new_job_id, submit_job
 from jobs.tokenizer import ChatTokenizer, load_tokenizer
@@ -65,20 +63,6 @@ def documents(tokenizer: ChatTokenizer, count: int, tokens: int) -> list[str]:
         window = ids[start : start + tokens - 8 * (i % 5)]
         found.append(f"Document {i}. " + tokenizer.decode(window))
     return found
-
-
-def machine() -> dict:
-    gpus = ""
-    if shutil.which("nvidia-smi"):
-        query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]
-        gpus = subprocess.run(query, capture_output=True, text=True).stdout.strip()
-    return {
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "gpus": gpus.splitlines(),
-    }
 
 
 def spec(model: str, document: str, max_tokens: int) -> JobSpec:
@@ -194,8 +178,7 @@ def main(
     report: dict = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(["python -m bench.batch_service", *sys.argv[1:]]),
-        "commit": git_commit(),
-        "machine": machine(),
+        "machine": machine_info(get_settings()),  # its "source" is the commit
         "model": model,
         "doc_tokens": {"asked": doc_tokens, "min": min(sizes), "max": max(sizes)},
         "uptime_before": load_average(),

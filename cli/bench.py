@@ -49,10 +49,6 @@ from ring_worker.processes import rank_environment, spawn_rank, wait_all
 
 PROMPT_TEXT = Path(__file__).parent / "demo" / "document.md"
 WIDE_COLUMNS = 160  # a table written to a file or pipe is not cut to 80 columns
-BACKEND_PROBE = (
-    "import mlx.core as mx; "
-    "print('metal' if mx.metal.is_available() else 'cuda' if mx.cuda.is_available() else 'cpu')"
-)
 
 
 def list_option(parse):

@@ -30,6 +30,7 @@ from ring_worker.devices import LocalNode, cuda_memory_bytes, installed_gpus, lo
 from ring_worker.node_agent import NodeAgent, log_tail
 
 console = Console(stderr=True)
+log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 60.0
 
 
@@ -170,7 +171,7 @@ class LocalCluster:
             try:
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                logging.getLogger(__name__).warning(
+                log.warning(
                     "ringq up: %s (pid %s) did not stop within 15 s of SIGTERM; killing it "
                     "(its log: %s)",
                     label,

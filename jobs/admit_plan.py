@@ -23,7 +23,7 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
 import sys
 from dataclasses import dataclass, field, replace
 
-from admission.estimate import Layout, batch_row_bytes
+from admission.estimate import Layout, batch_row_bytes, batch_row_tokens
 from admission.group_plan import GroupPlan, NodeFacts, chunk_candidates, plan_group
 from admission.model_shape import ModelShape
 from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
@@ -50,6 +50,11 @@ class Job:
     def new_tokens(self) -> int:
         spec = self.record.spec
         return spec.max_tokens if spec.kind == JobKind.GENERATE else 0
+
+    @property
+    def row_tokens(self) -> int:
+        """Positions its row of a decode batch holds (jobs/warm_groups.py)."""
+        return batch_row_tokens(len(self.tokens), self.new_tokens)
 
 
 @dataclass(frozen=True)
@@ -104,10 +109,10 @@ def plan_joins(job: Job, cluster: Cluster, settings: Settings) -> list[Join]:
         wanted = batches(group, spec.ranks, spec.strategy)
         if not wanted or not set(group.nodes) <= set(by_name):
             continue
-        backend = by_name[group.nodes[0]].backend
-        limit = max_batch_for(settings, backend)
+        limit = max_batch_for(settings, group.backend)  # as its ranks read it (serve_loop)
         layout = Layout(group.strategy, group.ranks, group.kv_layout)
         # the group's own chunk (what its reservation was planned with); else the smallest
+        backend = by_name[group.nodes[0]].backend
         chunk = warm.chunk_tokens or chunk_candidates(backend, settings.prefill_chunk_tokens)[-1]
         plan = group_plan(job, cluster, layout, group.nodes, chunk, settings)
         if limit > 1 and runs_like(group, job, plan):

@@ -212,7 +212,7 @@ class Dispatcher:
             group = join.group.model_copy(update={"job_id": job.record.id})
             capacity = {name: budget[name] for name in group.nodes}
             outcome = self.warm.join(
-                group, job.record.id, join.max_batch, join.grow_bytes, capacity
+                group, job.record.id, join.max_batch, join.grow_bytes, capacity, job.row_tokens
             )
             log.info("job %s: join group %s: %s", job.record.id, group.group_id, outcome)
             if outcome == "joined":
@@ -260,7 +260,7 @@ class Dispatcher:
         # Tracked before the job is ADMITTED: a dispatcher killed in between leaves a queued job
         # that RQ admits again, never an admitted job whose group nobody watches.
         track_group(self.conn, group.model_copy(update={"job_id": job_id}))
-        self.open_batch(group, job_id, place)
+        self.open_batch(group, job, place)
         try:
             self.store.transition(
                 job_id,
@@ -287,12 +287,11 @@ class Dispatcher:
         )
         return "admitted (warm)" if place.reuse is not None else "admitted"
 
-    def open_batch(self, group: GroupSpec, job_id: str, place: Place) -> None:
+    def open_batch(self, group: GroupSpec, job: Job, place: Place) -> None:
         """The job is in its group's batch (what the reconciler retries if the group is lost);
         a new warm group that batches is offered at once, so jobs join it while it loads."""
-        self.warm.started(group, job_id)
-        backend = (group.devices or ["cpu"])[0].split(":")[0]
-        batching = max_batch_for(self.settings, backend) > 1
+        self.warm.started(group, job.record.id, job.row_tokens)
+        batching = max_batch_for(self.settings, group.backend) > 1
         if place.reuse is None and group.idle_s > 0 and batching:
             self.warm.offer(group, place.bytes_per_node, place.plan.chunk_tokens)
 

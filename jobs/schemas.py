@@ -213,6 +213,12 @@ class GroupSpec(_Message):
     def ranks(self) -> int:
         return len(self.nodes)
 
+    @property
+    def backend(self) -> str:
+        """What the plan computes on: its first rank's device kind (cpu, cuda, metal); a group
+        whose ranks share a GPU computes on CPU (admission/group_plan.py)."""
+        return (self.devices or ["cpu"])[0].split(":")[0]
+
     @classmethod
     def from_plan(
         cls,

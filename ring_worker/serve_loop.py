@@ -77,10 +77,7 @@ def group_batch_limit(group: GroupSpec, settings: Settings) -> int:
     """The limit for the backend of the group's plan, read as the dispatcher reads it when it
     offers a new group for batching (jobs/dispatcher.py::Dispatcher.open_batch): the first
     rank's device, so every rank (and the dispatcher) gets the same answer."""
-    if group.idle_s <= 0:
-        return 1
-    backend = (group.devices or ["cpu"])[0].split(":")[0]
-    return max_batch_for(settings, backend)
+    return max_batch_for(settings, group.backend) if group.idle_s > 0 else 1
 
 
 def next_job(ctx: RankContext, engine: Engine, io: JobIO, watchdog: Watchdog) -> JobIO | None:

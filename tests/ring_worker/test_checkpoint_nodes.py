@@ -54,9 +54,8 @@ def test_a_rank_resumes_from_and_deletes_its_nodes_part(short_tmp_path, redis_co
     one_segment(short_tmp_path, "node-1", 1 << 30)
 
     def start(rank: int, node: str):
-        gather = lambda mine: [mine, mine]  # noqa: E731  both ranks hold 64 tokens
         return start_checkpoints(
-            short_tmp_path, 64, 1 << 30, "j", "ring-2", rank, gather, 64, 999, node=node
+            short_tmp_path, 64, 1 << 30, "j", "ring-2", rank, both_ranks_hold, 64, 999, node=node
         )
 
     saver, resume = start(0, "node-0")
@@ -72,3 +71,8 @@ def test_a_rank_resumes_from_and_deletes_its_nodes_part(short_tmp_path, redis_co
     assert store.fail("j", "no more retries")
     assert sweep_checkpoints(store, short_tmp_path) == ["j"]  # node-1's part with the job
     assert checkpoint_bytes(short_tmp_path) == 0
+
+
+def both_ranks_hold(mine: int) -> list[int]:
+    """The ranks' agreement on a resume point, in one process: the other rank holds as much."""
+    return [mine, mine]
