@@ -5,7 +5,9 @@ RINGQ_MAX_BATCH=1 (one job at a time).
     uv run python -m bench.batch_service --model smollm2 --jobs 16 --max-tokens 64
 
 Both clusters run one group per node (RINGQ_NODE_MAX_GROUPS=1: "one at a time" is one group,
-not two sharing the cores), no prefix reuse (every prompt computed) and a warm group: one
+not two sharing the cores), prefix reuse as --prefix-cache says (default on, the service's
+default: the documents share no prefix, so each job's prompt KV is written to disk and nothing
+is reused; off: nothing is kept), and a warm group: one
 warm-up job loads the model before the N are submitted, so loading is not timed. Documents are
 distinct windows of about --doc-tokens tokens of the model's own tokenizer over the demo
 document (tiled where it is shorter: a byte-level random model needs ~4x the characters of
@@ -83,11 +85,13 @@ def wait_final(store: JobStore, job_id: str) -> JobRecord:
     return record
 
 
-def run(model: str, docs: list[str], max_tokens: int, max_batch: int, port: int) -> dict:
+def run(
+    model: str, docs: list[str], max_tokens: int, max_batch: int, port: int, prefix_cache: str
+) -> dict:
     env = {
         "RINGQ_MAX_BATCH": str(max_batch),
         "RINGQ_NODE_MAX_GROUPS": "1",
-        "RINGQ_PREFIX_CACHE": "off",
+        "RINGQ_PREFIX_CACHE": prefix_cache,
         "RINGQ_GROUP_IDLE_S": "120",
         "RINGQ_RANK_PORT_BASE": str(port),
     }
@@ -162,6 +166,7 @@ def load_average() -> str:
 @click.option("--doc-tokens", default=500, show_default=True)
 @click.option("--max-batch", default=8, show_default=True)
 @click.option("--port-base", default=36500, show_default=True)
+@click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(
     model: str,
@@ -170,6 +175,7 @@ def main(
     doc_tokens: int,
     max_batch: int,
     port_base: int,
+    prefix_cache: str,
     out: Path | None,
 ) -> None:
     tokenizer = load_tokenizer(resolve_model(model, allowed_dirs=None))
@@ -183,9 +189,10 @@ def main(
         "doc_tokens": {"asked": doc_tokens, "min": min(sizes), "max": max(sizes)},
         "uptime_before": load_average(),
     }
-    report["batched"] = run(model, docs, max_tokens, max_batch, port_base)
+    report["prefix_cache"] = prefix_cache
+    report["batched"] = run(model, docs, max_tokens, max_batch, port_base, prefix_cache)
     print(json.dumps({k: v for k, v in report["batched"].items() if k != "texts"}), flush=True)
-    report["one_at_a_time"] = run(model, docs, max_tokens, 1, port_base + 100)
+    report["one_at_a_time"] = run(model, docs, max_tokens, 1, port_base + 100, prefix_cache)
     print(json.dumps({k: v for k, v in report["one_at_a_time"].items() if k != "texts"}))
     report["uptime_after"] = load_average()
     batched, alone = report["batched"], report["one_at_a_time"]

@@ -191,6 +191,9 @@ def service_env(cache_bytes: int | None, kv_layout: str | None) -> dict[str, str
 )
 @click.option("--kv-layout", default=None, help="Service: RINGQ_KV_LAYOUT (e.g. sharded).")
 @click.option("--timeout-s", default=1800.0, show_default=True)
+@click.option(
+    "--logs", type=click.Path(path_type=Path), default=None, help="Service: copy logs here."
+)
 def main(
     model: str,
     questions: int,
@@ -205,6 +208,7 @@ def main(
     ranks: int,
     kv_layout: str | None,
     timeout_s: float,
+    logs: Path | None,
 ) -> None:
     if max(first_ring, ranks) > nodes:
         ring = max(first_ring, ranks)
@@ -224,7 +228,7 @@ def main(
     else:
         env = service_env(cache_bytes, kv_layout)
         runs = service_level(model, document_of(doc_tokens), QUESTIONS[:questions], max_tokens,
-                             nodes, timeout_s, env, first_ring, ranks)  # fmt: skip
+                             nodes, timeout_s, env, first_ring, ranks, logs)  # fmt: skip
         setup = {"mode": "service", "model": model, "questions": questions, "nodes": nodes,
                  "first_ring": first_ring, "ranks": ranks, "env": env, "doc_tokens": doc_tokens,
                  "max_tokens": max_tokens}  # fmt: skip

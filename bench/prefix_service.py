@@ -3,6 +3,7 @@ cluster (its own Redis, dispatcher and node agents), once with RINGQ_PREFIX_CACH
 question submitted after the previous one finished) and once with it on (all questions
 submitted at once, as `ringq submit generate DOC --prompt Q1 ... --prompt Q8` does)."""
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -34,24 +35,35 @@ def finished(store: JobStore, job_ids: list[str], timeout_s: float) -> list[JobR
 
 
 def run_cluster(specs: list[JobSpec], env: dict[str, str], nodes: int, at_once: bool,
-                timeout_s: float) -> tuple[list[JobRecord], float, float]:  # fmt: skip
-    """The jobs' records, the makespan (first submit to last finish) and its unix start."""
+                timeout_s: float, logs: Path | None = None,
+                ) -> tuple[list[JobRecord], float, float]:  # fmt: skip
+    """The jobs' records, the makespan (first submit to last finish) and its unix start; the
+    services' and ranks' logs are copied to `logs` (before the cluster's home is removed)."""
     with tempfile.TemporaryDirectory(prefix="ringq-pb-", dir="/tmp") as home:
         settings = Settings(home=Path(home), redis_url=None)
-        with LocalCluster(settings, nodes, name_prefix="pb", extra_env=env) as cluster:
-            cluster.wait_ready()
-            store = JobStore(connect(cluster.url))
-            warm_up(store, specs, timeout_s)
-            started, started_unix = time.perf_counter(), time.time()
-            if at_once:
-                ids = [r.id for r in enqueue_jobs(store.conn, [(new_job_id(), s) for s in specs])]
-                records = finished(store, ids, timeout_s)
-            else:
-                records = []
-                for spec in specs:
-                    [record] = enqueue_jobs(store.conn, [(new_job_id(), spec)])
-                    records += finished(store, [record.id], timeout_s)
-            return records, time.perf_counter() - started, started_unix
+        try:
+            return run_jobs(settings, specs, env, nodes, at_once, timeout_s)
+        finally:
+            if logs is not None:
+                shutil.copytree(Path(home) / "logs", logs, dirs_exist_ok=True)
+
+
+def run_jobs(settings: Settings, specs: list[JobSpec], env: dict[str, str], nodes: int,
+             at_once: bool, timeout_s: float) -> tuple[list[JobRecord], float, float]:  # fmt: skip
+    with LocalCluster(settings, nodes, name_prefix="pb", extra_env=env) as cluster:
+        cluster.wait_ready()
+        store = JobStore(connect(cluster.url))
+        warm_up(store, specs, timeout_s)
+        started, started_unix = time.perf_counter(), time.time()
+        if at_once:
+            ids = [r.id for r in enqueue_jobs(store.conn, [(new_job_id(), s) for s in specs])]
+            records = finished(store, ids, timeout_s)
+        else:
+            records = []
+            for spec in specs:
+                [record] = enqueue_jobs(store.conn, [(new_job_id(), spec)])
+                records += finished(store, [record.id], timeout_s)
+        return records, time.perf_counter() - started, started_unix
 
 
 def warm_up(store: JobStore, specs: list[JobSpec], timeout_s: float) -> None:
@@ -122,12 +134,16 @@ def service_level(
     env: dict[str, str],
     first_ring: int = 1,
     ranks: int = 1,
+    logs: Path | None = None,
 ) -> dict[str, Any]:
     specs = question_specs(model, document, questions, max_tokens, first_ring, ranks)
     runs: dict[str, Any] = {}
     for mode, at_once in (("off", False), ("on", True)):
         mode_env = {**env, "RINGQ_PREFIX_CACHE": mode}
-        records, total_s, started = run_cluster(specs, mode_env, nodes, at_once, timeout_s)
+        mode_logs = logs / mode if logs is not None else None
+        records, total_s, started = run_cluster(
+            specs, mode_env, nodes, at_once, timeout_s, mode_logs
+        )
         runs[mode] = [row(r, started) for r in records]
         runs[f"{mode}_total_s"] = total_s
     return runs

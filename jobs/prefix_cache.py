@@ -31,9 +31,10 @@ a sorted set of entries by last use for `ringq cache list`. Nothing is pickled.
 
 Store (ring_worker/cache_store.py): per node agent, RINGQ_HOME/caches/<node>/, mlx-lm's prompt
 cache format (save_prompt_cache / load_prompt_cache, safetensors with string metadata), a byte
-budget RINGQ_CACHE_BYTES (default 10 % of the disk's free space when the store opens). Before a
-file is written, least-recently-used files are deleted until the new one fits, unpinned first,
-pinned (--keep-cache) last; a file larger than the whole budget is not kept. Writes go to a
+budget RINGQ_CACHE_BYTES (default: half of the disk's free space plus the store's own files, when
+the store opens). Before a file is written, least-recently-used files are deleted until the new
+one fits, unpinned first, pinned (--keep-cache) last; a file larger than the whole budget is not
+kept and evicts nothing. Writes go to a
 temporary name in the same directory (counted by the estimate) and are renamed. A file that does
 not load (corrupt, truncated, wrong shapes) is logged, deleted and treated as absent: the job
 recomputes.

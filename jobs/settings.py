@@ -153,7 +153,8 @@ class Settings(BaseSettings):
         default=None,
         ge=0,
         description="Disk each node agent may fill with kept KV caches under RINGQ_HOME/caches "
-        "(least recently used evicted first); unset: 10 % of the disk's free space.",
+        "(least recently used evicted first); unset: half of the disk space it could use (free "
+        "space plus its own files) when a group opens the store.",
     )
     allowed_dirs: list[Path] | None = Field(
         default=None,

@@ -6,7 +6,7 @@ import os
 import mlx.core as mx
 import pytest
 
-from ring_worker.cache_store import CacheStore, estimate_bytes
+from ring_worker.cache_store import CacheStore, default_budget_bytes, estimate_bytes
 from ring_worker.kv_reshard import ShardKV, build_cache, cache_arrays, clip_ranges, even_split
 
 METADATA = {"entry": "e"}
@@ -71,10 +71,20 @@ def test_pinned_files_are_evicted_last(tmp_path):
     assert store.used_bytes() <= budget
 
 
-def test_a_file_larger_than_the_budget_is_not_kept(tmp_path):
-    store = CacheStore(tmp_path, size_of(10))
-    assert store.save("huge.r0", layers(500), METADATA).path is None
-    assert store.files() == [] and store.used_bytes() <= store.budget_bytes
+def test_a_file_larger_than_the_budget_is_not_kept_and_evicts_nothing(tmp_path):
+    store = CacheStore(tmp_path, size_of(10) + 10)
+    assert store.save("small.r0", layers(10), METADATA).path is not None
+    saved = store.save("huge.r0", layers(500), METADATA)
+    assert saved.path is None and saved.evicted == []
+    assert [f.name for f in store.files()] == ["small.r0"]
+    assert store.used_bytes() <= store.budget_bytes
+
+
+def test_the_default_budget_counts_the_stores_own_files(tmp_path):
+    root = tmp_path / "caches" / "n0"
+    empty = default_budget_bytes(root)
+    (root / "kept.safetensors").write_bytes(b"x" * 5 * 10**7)
+    assert abs(default_budget_bytes(root) - empty) < 5 * 10**6  # not 25 MB less: the file is its own
 
 
 @pytest.mark.parametrize("damage", ["truncate", "header", "empty"])

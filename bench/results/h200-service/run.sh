@@ -53,13 +53,16 @@ PY
         --out "$out/batch-decode-h200-paired-256.json"
       ;;
     prefix)
+      df -h /tmp
       timeout 560 python3 -m bench.prefix_reuse --service --model $model --doc-tokens 130000 \
-        --questions 8 --max-tokens 32 --nodes 1 --cache-bytes 40000000000 \
+        --questions 8 --max-tokens 32 --nodes 1 --logs /tmp/logs/prefix \
         --out "$out/prefix-reuse-service-h200.json"
+      tar czf "$out/logs-prefix.tgz" -C /tmp/logs prefix
       ;;
     batch)
       timeout 400 python3 -m bench.batch_service --model $model --jobs 32 --doc-tokens 4096 \
-        --max-tokens 256 --max-batch 32 --out "$out/batch-service-h200.json"
+        --max-tokens 256 --max-batch 32 --prefix-cache ${PREFIX_CACHE:-on} \
+        --out "$out/batch-service-h200-prefix-${PREFIX_CACHE:-on}.json"
       ;;
     calibrate)
       for m in random:llama-3.2-1b $model; do
