@@ -195,10 +195,22 @@ def read_cache_file(path: Path) -> tuple[list[Any], dict[str, str]] | None:
         check_caches(cache)
         mx.eval([c.state for c in cache])
     except LOAD_ERRORS as exc:
+        if out_of_memory(exc):
+            raise  # not the file's fault: it stays, and the job fails over to its retry path
         log.warning("KV cache %s is unreadable (%s): ignored, the job recomputes", path, exc)
         path.unlink(missing_ok=True)
         return None
     return cache, metadata
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """MLX's allocators raise RuntimeError when memory runs out (CUDA: "cudaMallocAsync(...)
+    failed: out of memory"; Metal: "[metal::malloc] ... limit"). On a batched H200 group such a
+    load was taken for a corrupt file: the 16 GiB file was deleted and its entry forgotten."""
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        "out of memory" in text or "malloc" in text
+    )
 
 
 def as_caches(layers: Sequence[tuple[mx.array, mx.array]]) -> list[KVCache]:

@@ -84,7 +84,11 @@ def build_cache(shards: Sequence[ShardKV], layers: range, want: Ranges) -> list[
         if kv is None:
             return None
         cache = KVCache()
-        cache.update_and_fetch(*kv)
+        # the arrays themselves, not a copy into a fresh buffer (`update_and_fetch`): a copy
+        # held the loaded file and the new cache at once, twice a 128K prompt's KV (16 GiB
+        # each on the 8B), and a joining job's load ran a batched H200 group out of memory.
+        # The next chunk's update grows the buffer one layer at a time, as after any chunk.
+        cache.state = (kv[0], kv[1], kv[0].shape[2])
         caches.append(cache)
     return caches
 

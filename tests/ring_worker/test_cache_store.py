@@ -6,7 +6,12 @@ import os
 import mlx.core as mx
 import pytest
 
-from ring_worker.cache_store import CacheStore, default_budget_bytes, estimate_bytes
+from ring_worker.cache_store import (
+    CacheStore,
+    default_budget_bytes,
+    estimate_bytes,
+    read_cache_file,
+)
 from ring_worker.kv_reshard import ShardKV, build_cache, cache_arrays, clip_ranges, even_split
 
 METADATA = {"entry": "e"}
@@ -157,6 +162,32 @@ def test_pipeline_stages_join_into_one_cache():
     stages = [shard_of(reference(20), [(0, 20)], 0, 2), shard_of(reference(20), [(0, 20)], 2, 3)]
     cache = build_cache(stages, range(3), [(0, 20)])
     assert [p[0] for p in positions(cache)] == [0, 1000, 2000]
+
+
+def test_a_cache_is_built_on_the_loaded_arrays_not_a_copy():
+    # 4,000 positions: not a multiple of mlx-lm's 256-step buffers (a 4,096-long copy into a
+    # fresh buffer is elided by MLX: the update covers it whole), like a 130,008-token prefix
+    loaded = [(mx.random.normal((1, 8, 4000, 64)), mx.random.normal((1, 8, 4000, 64)))]
+    mx.eval(loaded)
+    shard = ShardKV(0, ((0, 4000),), loaded * 3)
+    before = mx.get_active_memory()
+    cache = build_cache([shard], range(3), [(0, 4000)])
+    mx.eval([[c.keys, c.values] for c in cache])
+    assert mx.get_active_memory() - before < loaded[0][0].nbytes  # a copy adds 6 of them
+    assert cache[0].offset == 4000 and mx.array_equal(cache[2].values, loaded[0][1])
+
+
+def test_running_out_of_memory_while_loading_keeps_the_file(tmp_path, monkeypatch):
+    store = CacheStore(tmp_path, 10**7)
+    path = store.save("job.r0", layers(16), METADATA).path
+
+    def oom(*args, **kwargs):  # what MLX's CUDA allocator raised on the H200
+        raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+
+    monkeypatch.setattr("ring_worker.cache_store.load_prompt_cache", oom)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        read_cache_file(path)
+    assert path.is_file()
 
 
 def test_cache_arrays_keep_the_prompt_of_a_live_cache():
