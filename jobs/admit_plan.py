@@ -18,6 +18,20 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
   group's reservation to hold its batch's KV buffer with the job's row in it (every row as
   long as the longest, rows doubling: jobs/warm_groups.py); where none takes it, the paths
   above.
+- the head of the queue (EASY backfill, as in Slurm): the oldest job (by created_at; a retry
+  keeps its place) waiting for memory (it fits an empty cluster, not the cluster now) holds
+  what it needs on the nodes it waits for (`Wait.hold`; jobs/memory_waits.py keeps it and the
+  dispatcher passes it as `Cluster.head`). To a later job the hold is a group of its own there
+  (jobs/head_hold.py): its bytes and a group slot, so a GPU the head waits for runs nothing
+  else, and a held CPU node takes a later job only in the bytes beyond the head's need. Other
+  nodes, and idle warm groups off the held nodes, serve later jobs as before. A later job joins
+  a running group only where the head keeps its bytes and a slot beside it (never on a GPU it
+  waits for: the join would keep that group running). The head and older jobs plan as if no
+  hold were there, so a head is never blocked by its own hold, and it waits only for the groups
+  that were on its nodes when it took them. The hold keeps to the nodes it first took (those
+  with room then, then the first busy ones by name): it does not wander from a node about to
+  free. Jobs waiting for a kept prefix's prefill, for nodes to come back or for idle groups to
+  make way hold nothing; a hold ends when its job is placed, fails or is cancelled.
 """
 
 import sys
@@ -30,6 +44,7 @@ from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, pla
 from admission.vocabulary import DTYPE_BYTES
 from jobs.checkpoint_marks import CheckpointHint
 from jobs.errors import AdmissionError
+from jobs.head_hold import HeadHold
 from jobs.prefix_cache import PrefixHint, wait_for_pending
 from jobs.schemas import GroupSpec, JobKind, JobRecord, NodeInfo, WarmGroup
 from jobs.settings import Settings, max_batch_for
@@ -67,6 +82,7 @@ class Cluster:
     waiting_jobs: int = 0  # other admissions queued behind this one
     known_nodes: int = 0  # ever registered (to tell "none yet" from "all gone")
     busy: list[WarmGroup] = field(default_factory=list)  # running groups a job may join
+    head: HeadHold | None = None  # the oldest job waiting for memory (older than this one)
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,7 @@ class Place:
 class Wait:
     reason: str
     evict: list[GroupSpec] = field(default_factory=list)  # idle groups asked to make way
+    hold: dict[str, int] | None = None  # waiting for memory: node -> bytes it waits for there
 
 
 @dataclass(frozen=True)
@@ -103,11 +120,13 @@ def plan_joins(job: Job, cluster: Cluster, settings: Settings) -> list[Join]:
     if spec.kind != JobKind.GENERATE or spec.cache_from is not None:
         return []
     by_name, kept = {n.name: n for n in cluster.nodes}, set(job.prefix.kept_nodes)
-    joins = []
+    joins, head, cpu_limit = [], head_before(job, cluster), settings.node_max_groups
     for warm in sorted(cluster.busy, key=lambda w: not set(w.group.nodes) & kept):
         group = warm.group
         wanted = batches(group, spec.ranks, spec.strategy)
         if not wanted or not set(group.nodes) <= set(by_name):
+            continue
+        if head and not head.leaves_a_slot(group.nodes, cluster.nodes, cluster.held, cpu_limit):
             continue
         limit = max_batch_for(settings, group.backend)  # as its ranks read it (serve_loop)
         layout = Layout(group.strategy, group.ranks, group.kv_layout)
@@ -143,23 +162,82 @@ def plan_admission(job: Job, cluster: Cluster, settings: Settings) -> Place | Wa
     if (prefilling := wait_for_pending(job.prefix, len(job.tokens))) is not None:
         return Wait(prefilling)
     request, reason = placement_request(job, cluster, settings)
-    if (resumed := plan_resume(job, cluster, request, settings)) is not None:
+    behind = behind_head(job, cluster)
+    if (resumed := plan_resume(job, behind, request, settings)) is not None:
         return resumed
-    if cluster.idle and (warm := plan_warm(job, cluster, request, settings, reason)):
+    if behind.idle and (warm := plan_warm(job, behind, request, settings, reason)):
         return warm
     try:
-        chosen = plan_placement(job.shape, request, capacities(job, cluster, settings))
+        chosen = plan_placement(job.shape, request, capacities(job, behind, settings))
     except CannotPlace as busy:
-        try:  # would it fit once the running groups are done?
-            plan_placement(job.shape, request, capacities(job, cluster, settings, empty=True))
-        except CannotPlace as never:
-            if (wait := wait_for_known_nodes(request, cluster, never)) is not None:
-                return wait
-            raise AdmissionError(str(never)) from None
-        reason = f"waiting for memory that running groups hold (or for a free GPU): {busy}"
-        return Wait(reason, evict=[group for group, _ in cluster.idle])
+        return plan_memory_wait(job, cluster, request, settings, busy)
     plan = group_plan(job, cluster, chosen.layout, chosen.nodes, chosen.chunk_tokens, settings)
     return Place(plan, chosen.bytes_per_node, reason)
+
+
+def plan_memory_wait(
+    job: Job, cluster: Cluster, request: PlacementRequest, settings: Settings, busy: CannotPlace
+) -> Wait:
+    """A job that fits nowhere now: if it would fit once the running groups are done it waits
+    for memory, naming the nodes and bytes it waits for (`hold`: held for it while it is the
+    head); else Reject, or it waits for registered nodes to come back."""
+    empty = capacities(job, cluster, settings, empty=True)
+    try:
+        waited = plan_placement(job.shape, hold_request(job, cluster, request, settings), empty)
+    except CannotPlace as never:
+        if (wait := wait_for_known_nodes(request, cluster, never)) is not None:
+            return wait
+        raise AdmissionError(str(never)) from None
+    hold = dict.fromkeys(waited.nodes, waited.bytes_per_node)
+    evict = [group for group, _ in cluster.idle]
+    reason = f"waiting for memory that running groups hold (or for a free GPU): {busy}"
+    head = head_before(job, cluster)
+    if head is not None and fits_now(job, cluster, request, settings):  # but for the hold
+        nodes = ", ".join(sorted(head.bytes_per_node))
+        reason = f"waiting behind job {head.job_id}, the oldest job waiting for memory: what "
+        reason += f"it needs on {nodes} is held for it"
+    return Wait(reason, evict, hold)
+
+
+def fits_now(job: Job, cluster: Cluster, request: PlacementRequest, settings: Settings) -> bool:
+    """Whether the job fits the cluster as read (idle warm groups counted as free)."""
+    try:
+        plan_placement(job.shape, request, capacities(job, cluster, settings, idle=True))
+    except CannotPlace:
+        return False
+    return True
+
+
+def hold_request(
+    job: Job, cluster: Cluster, request: PlacementRequest, settings: Settings
+) -> PlacementRequest:
+    """The request whose placement on an empty cluster names the nodes a waiting job holds:
+    those it holds already, as the head (a hold that wandered could wait for ever), else those
+    with room now, then its kept prefix's."""
+    head = cluster.head
+    if head is not None and head.job_id == job.record.id:
+        return replace(request, preferred_nodes=tuple(head.bytes_per_node))
+    room = [node.name for node in capacities(job, cluster, settings) if node.available_bytes > 0]
+    return replace(request, preferred_nodes=(*room, *request.preferred_nodes))
+
+
+def head_before(job: Job, cluster: Cluster) -> HeadHold | None:
+    """The hold a job plans around: an older job's; none for the head itself."""
+    head = cluster.head
+    return None if head is None or head.job_id == job.record.id else head
+
+
+def behind_head(job: Job, cluster: Cluster) -> Cluster:
+    """The cluster as a job behind the head sees it: the head's hold counts as a group."""
+    head = head_before(job, cluster)
+    return cluster if head is None else replace(cluster, held=head.held_with(cluster.held))
+
+
+def join_budgets(job: Job, cluster: Cluster) -> dict[str, int]:
+    """Node -> the budget a join may grow a running group's reservation to."""
+    if (head := head_before(job, cluster)) is not None:
+        return head.join_budgets(cluster.nodes)
+    return {node.name: node.memory_bytes for node in cluster.nodes}
 
 
 def plan_resume(
@@ -303,7 +381,7 @@ def capacities(
         held = {} if empty else cluster.held.get(node.name, {})
         busy = {g: b for g, b in held.items() if g not in idle_ids}
         limit = 1 if node.backend == "cuda" else settings.node_max_groups
-        free = node.memory_bytes - sum(busy.values()) if len(busy) < limit else 0
+        free = max(0, node.memory_bytes - sum(busy.values())) if len(busy) < limit else 0
         found.append(capacity(node, free, job.model_dtype))
     return found
 

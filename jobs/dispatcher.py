@@ -12,10 +12,20 @@ import redis
 from rq import get_current_job
 
 from jobs import keys
-from jobs.admit_plan import Cluster, Job, Join, Place, Wait, plan_admission, plan_joins
+from jobs.admit_plan import (
+    Cluster,
+    Job,
+    Join,
+    Place,
+    Wait,
+    join_budgets,
+    plan_admission,
+    plan_joins,
+)
 from jobs.checkpoint_marks import checkpoint_hint, read_marks
 from jobs.errors import InvalidJobError, JobNotFoundError, RingqError
 from jobs.lifecycle import JobState
+from jobs.memory_waits import MemoryWaits
 from jobs.model_catalog import default_dtype, resolve_model
 from jobs.prefix_cache import (
     PENDING_GRACE_S,
@@ -78,6 +88,7 @@ class Dispatcher:
         self.reservations = Reservations(conn, settings.reservation_lease_s)
         self.warm = WarmGroups(conn)
         self.queue = admit_queue(conn)
+        self.memory_waits = MemoryWaits(conn)
 
     def admit_guarded(self, job_id: str) -> str:
         """admit(), with every failure recorded on the job: the dispatcher outlives any job."""
@@ -86,27 +97,32 @@ class Dispatcher:
         except RingqError as exc:
             log.info("job %s rejected: %s", job_id, exc)
             self.store.fail(job_id, str(exc))
-            return "failed"
         except Exception as exc:
             log.exception("job %s: dispatcher error", job_id)
             self.store.fail(job_id, f"dispatcher error: {type(exc).__name__}: {exc}")
-            return "failed"
+        self.memory_waits.drop(job_id)  # a failed head holds nothing
+        return "failed"
 
     def admit(self, job_id: str) -> str:
         record = self.store.get(job_id)
         if record.state != JobState.QUEUED:
+            self.memory_waits.drop(job_id)
             return f"skipped ({record.state})"
         if record.attempt and time.time() < record.updated_at + retry_delay_s(self.settings):
             # a retry: wait until a node that died with the lost group is no longer live
             return self.wait(record, Wait(record.waiting_reason or "retrying"))
         job = self.prepare(record)
-        cluster = self.read_cluster(record.spec)
+        cluster = self.read_cluster(record)
         if isinstance(cluster, Wait):
             return self.wait(record, cluster)
         if (joined := self.try_join(job, cluster)) is not None:
             return joined
         decision = plan_admission(job, cluster, self.settings)
         if isinstance(decision, Wait):
+            if decision.hold is None:  # waits for something other than memory: holds nothing
+                self.memory_waits.drop(record.id)
+            else:
+                self.memory_waits.record(record, decision.hold)
             return self.wait(record, decision)
         return self.commit(job, decision, {n.name: n for n in cluster.nodes})
 
@@ -150,7 +166,8 @@ class Dispatcher:
         except JobNotFoundError:
             return None
 
-    def read_cluster(self, spec: JobSpec) -> Cluster | Wait:
+    def read_cluster(self, record: JobRecord) -> Cluster | Wait:
+        spec = record.spec
         nodes = fresh_nodes(self.store.live_nodes(), self.settings)
         if spec.cache_from is not None:  # only the node that holds the cache will do
             holder = self.cache_node(spec)
@@ -169,6 +186,7 @@ class Dispatcher:
             waiting_jobs=self.queue.count,
             known_nodes=int(self.conn.scard(keys.NODES_INDEX)),
             busy=self.warm.busy_groups() if warm and spec.kind == JobKind.GENERATE else [],
+            head=self.memory_waits.head(record),  # the queue order, read once
         )
 
     def cache_node(self, spec: JobSpec) -> str | None:
@@ -207,7 +225,7 @@ class Dispatcher:
             return None
         if wait_for_pending(job.prefix, len(job.tokens)) is not None:
             return None  # it waits for the prefill of its prefix (plan_admission says so)
-        budget = {n.name: n.memory_bytes for n in cluster.nodes}
+        budget = join_budgets(job, cluster)  # less what is held for an older waiting job
         for join in plan_joins(job, cluster, self.settings):
             group = join.group.model_copy(update={"job_id": job.record.id})
             capacity = {name: budget[name] for name in group.nodes}
@@ -237,6 +255,7 @@ class Dispatcher:
             progress=Progress(phase=JobState.ADMITTED, total=len(job.tokens)),
             waiting_reason=None,
         )  # cancelled meanwhile: raises; its group skips it and gives its bytes back
+        self.memory_waits.drop(job.record.id)
         self.mark_pending_prefix(job)
         log.info("job %s admitted: %s", job.record.id, place.reason)
         return "admitted (joined)"
@@ -275,6 +294,7 @@ class Dispatcher:
                 self.release(group)
                 untrack_group(self.conn, group.group_id)
             raise
+        self.memory_waits.drop(job_id)  # placed: a head's hold ends
         self.mark_pending_prefix(job)
         if place.reuse is None:
             self.start_ranks(group)
@@ -346,7 +366,8 @@ class Dispatcher:
 
     def wait(self, record: JobRecord, wait: Wait) -> str:
         """The job fits once running groups free memory: it stays queued (saying why) and tries
-        again after the jobs queued behind it, so smaller jobs that fit now go first (backfill)."""
+        again after the jobs queued behind it, so smaller jobs that fit now go first (backfill),
+        where they leave the oldest job waiting for memory what it needs (jobs/admit_plan.py)."""
         if wait.evict and (asked := self.warm.evict(wait.evict)):
             log.info("job %s: asked idle groups %s to make way", record.id, asked)
         self.store.set_waiting(record.id, wait.reason)

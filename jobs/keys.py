@@ -82,12 +82,19 @@ def node_leases(name: str) -> str:
     return f"{PREFIX}:node:{name}:leases"  # sorted set: group id -> lease expiry (unix s)
 
 
+def memory_hold(job_id: str) -> str:
+    # hash: node -> bytes a job waiting for memory waits for there (held while it is the
+    # oldest: jobs/memory_waits.py); expires unless the job waits again
+    return f"{PREFIX}:job:{job_id}:memory-hold"
+
+
 def admit_retries(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:admit-retries"  # counter: RQ ids of re-enqueued admissions
 
 
 GROUPS_INDEX = f"{PREFIX}:groups"  # hash: group id -> JSON TrackedGroup while it runs
 WARM_GROUPS = f"{PREFIX}:warm"  # hash: group id -> JSON WarmGroup while it may take jobs
+MEMORY_WAITS = f"{PREFIX}:memory-waits"  # sorted set: job id -> created_at, while it waits
 SERVICES = f"{PREFIX}:services"  # hash: service label -> JSON ServiceStatus (`ringq up` writes)
 
 

@@ -1,0 +1,78 @@
+"""Jobs waiting for memory, in Redis, and which of them is the head: the oldest (created_at,
+then id), whose need is held on the nodes it waits for (the rule: jobs/admit_plan.py; what a
+hold takes: jobs/head_hold.py). keys.MEMORY_WAITS orders them; keys.memory_hold(job) holds
+each one's node -> bytes and expires unless the job waits again within HOLD_LEASE_S.
+
+The dispatcher writes a job's hold each time it waits for memory and drops it when the job is
+placed, fails or waits for something else. Reading the head also drops an entry whose job is no
+longer queued (cancelled, or its record expired) or whose hold expired (its job stopped being
+admitted without a word), so no hold outlives its job's wait. Reading costs one or two round
+trips however many jobs wait: only the front of the order is read."""
+
+import json
+from typing import Any, cast
+
+import redis
+
+from jobs import keys
+from jobs.head_hold import HeadHold
+from jobs.lifecycle import JobState
+from jobs.schemas import JobRecord
+
+# A waiting job writes its hold again once per round of the admit queue (every waiting job
+# tries again once a round: jobs/dispatcher.py `wait`), seconds even with a thousand queued.
+# Longer than that; short enough that the hold of a job nobody admits any more (a lost
+# admission) frees its nodes soon.
+HOLD_LEASE_S = 120.0
+
+
+class MemoryWaits:
+    def __init__(self, conn: redis.Redis, lease_s: float = HOLD_LEASE_S):
+        self.conn = conn
+        self.lease_s = lease_s
+
+    def record(self, record: JobRecord, bytes_per_node: dict[str, int]) -> None:
+        """`record` waits for memory: `bytes_per_node` on the nodes it waits for."""
+        hold = keys.memory_hold(record.id)
+        with self.conn.pipeline(transaction=True) as pipe:
+            pipe.zadd(keys.MEMORY_WAITS, {record.id: record.created_at})
+            pipe.delete(hold)
+            pipe.hset(hold, mapping=cast(dict[Any, Any], bytes_per_node))  # an invariant type
+            pipe.pexpire(hold, int(self.lease_s * 1000))
+            pipe.execute()
+
+    def drop(self, job_id: str) -> None:
+        with self.conn.pipeline(transaction=True) as pipe:
+            pipe.zrem(keys.MEMORY_WAITS, job_id)
+            pipe.delete(keys.memory_hold(job_id))
+            pipe.execute()
+
+    def head(self, record: JobRecord) -> HeadHold | None:
+        """The hold `record`'s admission plans around: the oldest waiting job's if that is older
+        than `record`; `record`'s own if it is the oldest (it keeps to the nodes it holds);
+        None if neither waits."""
+        own = (record.created_at, record.id)
+        while front := cast(list, self.conn.zrange(keys.MEMORY_WAITS, 0, 0, withscores=True)):
+            [(raw_id, created_at)] = front
+            job_id = text(raw_id)
+            if (created_at, job_id) > own:
+                return None
+            held = self.held(job_id)
+            if job_id == record.id:
+                return HeadHold(job_id, held) if held else None
+            if held and self.queued(job_id):
+                return HeadHold(job_id, held)
+            self.drop(job_id)  # its job stopped waiting without a word
+        return None
+
+    def held(self, job_id: str) -> dict[str, int]:
+        raw = cast(dict, self.conn.hgetall(keys.memory_hold(job_id)))
+        return {text(name): int(value) for name, value in raw.items()}
+
+    def queued(self, job_id: str) -> bool:
+        state = self.conn.hget(keys.job(job_id), "state")
+        return state is not None and json.loads(state) == JobState.QUEUED.value
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
