@@ -135,10 +135,13 @@ def service_level(
     first_ring: int = 1,
     ranks: int = 1,
     logs: Path | None = None,
+    modes: tuple[str, ...] = ("off", "on"),
 ) -> dict[str, Any]:
     specs = question_specs(model, document, questions, max_tokens, first_ring, ranks)
     runs: dict[str, Any] = {}
     for mode, at_once in (("off", False), ("on", True)):
+        if mode not in modes:
+            continue
         mode_env = {**env, "RINGQ_PREFIX_CACHE": mode}
         mode_logs = logs / mode if logs is not None else None
         records, total_s, started = run_cluster(

@@ -56,7 +56,7 @@ PY
       df -h /tmp
       timeout 560 python3 -m bench.prefix_reuse --service --model $model --doc-tokens 130000 \
         --questions 8 --max-tokens 32 --nodes 1 --logs /tmp/logs/prefix \
-        --out "$out/prefix-reuse-service-h200.json"
+        --modes ${PREFIX_MODES:-both} --out "$out/prefix-reuse-service-h200${PREFIX_MODES:+-$PREFIX_MODES}.json"
       tar czf "$out/logs-prefix.tgz" -C /tmp/logs prefix
       ;;
     batch)
