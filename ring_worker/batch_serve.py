@@ -116,8 +116,7 @@ class BatchServer:
         text = DecodeText(io, self.tokenizer, job.spec.stop, lead)
         self.decoder.add(self.request(io, job, text), job.prefill)
         keep_beside_batch(self.engine, self.prefix, io, job)
-        kept = replace(job, prefill=replace(job.prefill, cache=[], logits=mx.zeros((1,))))
-        self.members[io.job_id] = _Member(io, kept, load_s, text)
+        self.members[io.job_id] = _Member(io, without_kv(job), load_s, text)
 
     def request(self, io: JobIO, job: Prefilled, text: DecodeText) -> DecodeRequest:
         spec = job.spec
@@ -180,6 +179,17 @@ class BatchServer:
                      ctx.rank, io.job_id)  # fmt: skip
             self.leave(io)
         return ready
+
+
+def without_kv(job: Prefilled) -> Prefilled:
+    """What a batch member keeps of its prefill while it decodes: its result's figures, not
+    its KV (the batch's row holds a copy). The kept prefix it started from (`start`) holds the
+    same KV caches as the prefill (the prefill extends them): kept, they held a whole prompt's
+    KV per member, 16 GiB for each 128K question on the 8B, until the H200 group ran out of
+    memory at its 4th row."""
+    start = replace(job.start, cache=[]) if job.start is not None else None
+    prefill = replace(job.prefill, cache=[], logits=mx.zeros((1,)))
+    return replace(job, prefill=prefill, start=start)
 
 
 def keep_beside_batch(

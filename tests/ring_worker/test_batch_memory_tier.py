@@ -12,9 +12,10 @@ from jobs.lifecycle import JobState
 from jobs.schemas import JobKind, JobSpec, Placement
 from jobs.store import JobStore
 from ring_worker.batch_decode import BatchDecoder, DecodeRequest
-from ring_worker.batch_serve import keep_beside_batch
+from ring_worker.batch_serve import keep_beside_batch, without_kv
 from ring_worker.engine import Engine
 from ring_worker.job_io import RedisJobIO
+from ring_worker.prefix_reuse import Reuse
 from ring_worker.rank_main import Prefilled
 from tests.ring_worker.prefix_rank import CHUNK_TOKENS, MAX_TOKENS
 from tests.ring_worker.test_prefix_reuse import DOC, forget, question, single_cache
@@ -63,3 +64,19 @@ def test_the_memory_copy_beside_a_batch_row_stays_only_within_the_room(
         decoder.run()
     finally:
         forget(redis_conn, model_dir)
+
+
+def test_a_member_keeps_no_kv_of_the_prefix_it_started_from(model_dir):
+    """The prefill extends the kept prefix's caches (`start.cache` is `prefill.cache`): a
+    member that kept either held its whole prompt's KV beside its batch row."""
+    engine = Engine(load_tiny(model_dir))
+    first = engine.prefill(list(range(40)), CHUNK_TOKENS)
+    start = Reuse("e", "memory", 40, first.cache, [(0, 40)])
+    prefill = engine.prefill(list(range(40, 48)), CHUNK_TOKENS, cache=start.cache)
+    assert prefill.cache[0] is start.cache[0]  # the same KVCache objects, extended
+    spec = JobSpec(kind=JobKind.GENERATE, document="d", prompt="q", model="m")
+    job = Prefilled(spec, list(range(48)), prefill, start, 0.0, lambda *a: None, True)
+    kept = without_kv(job)
+    assert kept.prefill.cache == [] and kept.start is not None and kept.start.cache == []
+    assert (kept.start.entry_id, kept.start.tokens) == ("e", 40)  # what its result shows
+    assert kept.prefill.prompt_tokens == prefill.prompt_tokens
