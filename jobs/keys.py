@@ -82,6 +82,10 @@ def node_leases(name: str) -> str:
     return f"{PREFIX}:node:{name}:leases"  # sorted set: group id -> lease expiry (unix s)
 
 
+def node_ranks(name: str) -> str:
+    return f"{PREFIX}:node:{name}:ranks"  # hash: "group id:rank" -> JSON NodeRank, while it runs
+
+
 def admit_retries(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:admit-retries"  # counter: RQ ids of re-enqueued admissions
 
