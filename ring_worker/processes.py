@@ -46,7 +46,6 @@ def rank_environment(
     env["LD_PRELOAD"] = ":".join([openblas, *preload] if openblas else preload)
     if threads:  # ranks sharing one machine split its cores instead of oversubscribing them
         env["OPENBLAS_NUM_THREADS"] = str(threads)
-    env["RINGQ_PARENT_PID"] = str(os.getpid())  # the rank exits with this process
     return env
 
 
@@ -71,7 +70,7 @@ def _popen(
 ) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, *argv],
-        env=env,
+        env={**env, "RINGQ_PARENT_PID": str(os.getpid())},  # the rank exits with this process
         stdin=stdin,
         stdout=out,
         stderr=None if out is None else subprocess.STDOUT,
@@ -87,7 +86,8 @@ def die_with_parent() -> Callable[[], None] | None:
     the GIL: mx.distributed.init waiting for a peer that never comes does (the chaos soak left
     such ranks behind). SIGKILL, not SIGTERM: nothing of a rank's is worth saving once its
     agent is gone, and no handler can delay it. Between fork and exec the child only calls
-    prctl, already looked up here, and compares pids: nothing that takes a lock."""
+    prctl, looked up here, and compares pids: no import, no logging, no lock of another thread's
+    (why preexec_fn is unsafe with threads)."""
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl
