@@ -88,6 +88,10 @@ def memory_hold(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:memory-hold"
 
 
+def node_ranks(name: str) -> str:
+    return f"{PREFIX}:node:{name}:ranks"  # hash: "group id:rank" -> JSON NodeRank, while it runs
+
+
 def admit_retries(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:admit-retries"  # counter: RQ ids of re-enqueued admissions
 

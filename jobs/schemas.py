@@ -187,6 +187,7 @@ class NodeInfo(_Message):
     pid: int
     started_at: float
     heartbeat_at: float
+    incarnation: str = ""  # new at every start of the node's agent (ring_worker/node_ranks.py)
 
 
 class GroupSpec(_Message):
@@ -276,3 +277,14 @@ class GroupFailure(_Message):
 
     reason: str
     retry: bool  # False for errors a new placement cannot fix (an unusable model, a bad job)
+
+
+class NodeRank(_Message):
+    """A rank a node agent started and has not seen exit, at keys.node_ranks: an agent of the
+    same node started later reports those of an earlier incarnation lost."""
+
+    group: GroupSpec
+    rank: int
+    incarnation: str  # the starting agent's (NodeInfo.incarnation)
+    pid: int
+    started_at: float  # the process's start (unix s, as psutil reads it); 0.0: unknown

@@ -132,7 +132,9 @@ class Settings(BaseSettings):
         "context made), so a new group starts at once; auto: on GPU and Metal nodes.",
     )
     parent_pid: int | None = Field(
-        default=None, description="Internal: `ringq up` sets it; its services exit with it."
+        default=None,
+        description="Internal: the process that started this one (`ringq up` for its services, "
+        "a node agent or `ringq run` for its ranks); they exit with it.",
     )
     rank_memory_limit_bytes: int | None = Field(
         default=None,

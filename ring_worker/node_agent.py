@@ -2,7 +2,8 @@
 queue (no fork) and starts rank processes, fresh interpreters, when the dispatcher asks. It never
 imports MLX. When a rank exits non-zero the agent reports the group lost (jobs.recovery retries
 or fails its job); agents kill their ranks of failed groups, so no process is left behind. Ranks
-exit by themselves when their agent dies."""
+exit by themselves when their agent dies, and the node's next agent reports their groups lost
+(ring_worker/node_ranks.py)."""
 
 import logging
 import os
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +22,19 @@ from jobs import keys
 from jobs.errors import JobNotFoundError, RingqError
 from jobs.recovery import lose_group_jobs
 from jobs.reservations import Reservations
-from jobs.schemas import GroupSpec, NodeInfo
+from jobs.schemas import GroupSpec, NodeInfo, NodeRank
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import node_queue
 from jobs.workers import service_worker
 from ring_worker.checkpoint_sweep import SWEEP_INTERVAL_S, sweep_checkpoints
 from ring_worker.devices import cuda_memory_bytes, gpu_name, node_backend, visible_gpus
+from ring_worker.node_ranks import (
+    forget_rank,
+    lose_predecessor_ranks,
+    process_started_at,
+    record_rank,
+)
 from ring_worker.processes import rank_environment, spawn_rank, terminate_all
 from ring_worker.stall import StallWatch
 from ring_worker.standby import StandbyRank
@@ -81,6 +89,7 @@ class NodeAgent:
         self.memory_limit_bytes = memory_limit_bytes
         self.store = JobStore(conn, settings.job_ttl_s)
         self.started_at = time.time()
+        self.incarnation = uuid.uuid4().hex  # this start's: a restarted agent's differs
         self.ranks: list[RankProcess] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -125,6 +134,7 @@ class NodeAgent:
             pid=os.getpid(),
             started_at=self.started_at,
             heartbeat_at=time.time(),
+            incarnation=self.incarnation,
         )
 
     def claim_gpu(self) -> None:
@@ -176,10 +186,25 @@ class NodeAgent:
         if process is None:
             local_rank = group.nodes[:rank].count(self.name)
             process = spawn_rank(argv, self.rank_env(backend, local_ranks, local_rank), log_path)
-        with self.lock:
-            self.ranks.append(RankProcess(group, rank, process, log_path))
+        self.remember(RankProcess(group, rank, process, log_path))
         log.info("job %s rank %d: started pid %d on %s", group.job_id, rank, process.pid, self.name)
         return True
+
+    def remember(self, rp: RankProcess) -> None:
+        """For the monitor, then in Redis for this node's next agent. A rank reaped before it
+        is recorded leaves its record behind; the next agent's report of it changes nothing,
+        since its group has ended or been reported already."""
+        with self.lock:
+            self.ranks.append(rp)
+        pid = rp.process.pid
+        record = NodeRank(
+            group=rp.group,
+            rank=rp.rank,
+            incarnation=self.incarnation,
+            pid=pid,
+            started_at=process_started_at(pid),
+        )
+        record_rank(self.conn, self.name, record)
 
     def rank_env(self, backend: str, local_ranks: int, local_rank: int) -> dict[str, str]:
         env = rank_environment(
@@ -254,6 +279,7 @@ class NodeAgent:
             self.reservations.release(rp.group.group_id, self.name)
             if code != 0:
                 self.fail_group(rp, code)
+            forget_rank(self.conn, self.name, rp.group.group_id, rp.rank)
 
     def fail_group(self, rp: RankProcess, code: int) -> None:
         """A rank exited non-zero: its group is lost. The rank's own report (if it lived to
@@ -275,6 +301,7 @@ class NodeAgent:
         except RingqError:
             self.release_gpu()
             raise
+        self.lose_predecessor_ranks()
         if self.standby is not None:
             self.standby.start()
         threads = [
@@ -296,6 +323,16 @@ class NodeAgent:
                 self.standby.stop()
             self.store.remove_node(self.name)
             self.release_gpu()
+
+    def lose_predecessor_ranks(self) -> None:
+        """Ranks an earlier agent of this node started died with it: their groups are lost."""
+        lost = lose_predecessor_ranks(
+            self.conn, self.settings, self.name, self.incarnation, self.reservations
+        )
+        if lost:
+            log.warning(
+                "node %s: %d rank(s) of the previous agent reported lost", self.name, len(lost)
+            )
 
     def release_gpu(self) -> None:
         """Give up this agent's GPU claim, unless another agent's claim has replaced it."""

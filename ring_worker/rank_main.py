@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_standby:
         log.info("job %s rank %d: a spare rank took it", group.job_id, args.rank)
     settings = Settings()  # read once, at the process edge, and passed down
-    exit_with_parent()
+    if not args.from_standby:  # a spare rank watches its agent from the start
+        exit_with_parent(settings.parent_pid)
     ctx = RankContext(group, args.rank, args.group.parent, settings)
     return run_guarded(ctx, make_io(args, ctx))
 
@@ -227,7 +228,7 @@ def await_handover() -> list[str] | None:
     """A spare rank: the imports (12 s of a cold rank's start on an H200 machine, mostly
     mlx-lm importing transformers) and the device's initialisation happen before any job needs
     them. Then one JSON line {argv, log} on stdin makes this the rank; EOF: exit."""
-    exit_with_parent()
+    exit_with_parent(Settings().parent_pid)
     mx.eval(mx.zeros((1,)))  # creates the device context (CUDA) now
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     log.info("spare rank ready (pid %d)", os.getpid())

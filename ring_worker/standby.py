@@ -6,8 +6,9 @@ instead of the ~12 s a fresh interpreter took on an H200 machine (bench/results/
 import json
 import logging
 import subprocess
-import sys
 from pathlib import Path
+
+from ring_worker.processes import spawn_rank
 
 log = logging.getLogger(__name__)
 
@@ -19,15 +20,8 @@ class StandbyRank:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        with open(self.log_path, "ab") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "ring_worker.rank_main", "--standby"],
-                env=self.env,
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        argv = ["-m", "ring_worker.rank_main", "--standby"]
+        self.process = spawn_rank(argv, self.env, self.log_path, stdin=subprocess.PIPE)
 
     def take(self, argv: list[str], log_path: Path) -> subprocess.Popen | None:
         """The spare process, made into the rank `argv` describes (its output to `log_path`),
