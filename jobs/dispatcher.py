@@ -375,7 +375,11 @@ class Dispatcher:
         attempt = int(self.conn.incr(keys.admit_retries(record.id)))
         self.conn.expire(keys.admit_retries(record.id), self.settings.job_ttl_s)
         self.queue.enqueue_many([admit_data(record.id, f"-wait{attempt}")])
-        log.info("job %s waits: %s", record.id, wait.reason)
+        # once per reason: a job waiting a minute is tried hundreds of times (the 1,000-job
+        # chaos soak's dispatcher log reached 9 MB, almost all of it the same lines again)
+        changed = record.waiting_reason != wait.reason
+        log.log(logging.INFO if changed else logging.DEBUG, "job %s waits: %s", record.id,
+                wait.reason)  # fmt: skip
         return "waiting"
 
     def allocate_address(self, node: NodeInfo) -> str:

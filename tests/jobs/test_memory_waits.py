@@ -7,6 +7,7 @@ import time
 import pytest
 
 from jobs import keys
+from jobs.admit_plan import Wait
 from jobs.dispatcher import Dispatcher
 from jobs.head_hold import HeadHold
 from jobs.lifecycle import JobState
@@ -123,3 +124,12 @@ def test_a_job_older_than_the_head_is_not_held_back_and_the_head_sees_its_own_ho
     assert waits.head(head) == HeadHold("head", {"g0": GIB, "g1": GIB})
     waits.record(older, {"g1": GIB})
     assert waits.head(head) == HeadHold("older", {"g1": GIB})
+
+
+def test_a_wait_is_logged_once_per_reason(dispatcher, caplog):
+    record = submit(dispatcher, "w1")
+    caplog.set_level("INFO", logger="jobs.dispatcher")
+    for reason in ("waiting for A", "waiting for A", "waiting for A", "waiting for B"):
+        dispatcher.wait(dispatcher.store.get(record.id), Wait(reason))
+    logged = [r.getMessage() for r in caplog.records if "waits:" in r.getMessage()]
+    assert logged == ["job w1 waits: waiting for A", "job w1 waits: waiting for B"]
