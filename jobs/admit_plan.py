@@ -18,20 +18,20 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
   group's reservation to hold its batch's KV buffer with the job's row in it (every row as
   long as the longest, rows doubling: jobs/warm_groups.py); where none takes it, the paths
   above.
-- the head of the queue (EASY backfill, as in Slurm): the oldest job (by created_at; a retry
-  keeps its place) waiting for memory (it fits an empty cluster, not the cluster now) holds
-  what it needs on the nodes it waits for (`Wait.hold`; jobs/memory_waits.py keeps it and the
-  dispatcher passes it as `Cluster.head`). To a later job the hold is a group of its own there
-  (jobs/head_hold.py): its bytes and a group slot, so a GPU the head waits for runs nothing
-  else, and a held CPU node takes a later job only in the bytes beyond the head's need. Other
-  nodes, and idle warm groups off the held nodes, serve later jobs as before. A later job joins
-  a running group only where the head keeps its bytes and a slot beside it (never on a GPU it
-  waits for: the join would keep that group running). The head and older jobs plan as if no
-  hold were there, so a head is never blocked by its own hold, and it waits only for the groups
-  that were on its nodes when it took them. The hold keeps to the nodes it first took (those
-  with room then, then the first busy ones by name): it does not wander from a node about to
-  free. Jobs waiting for a kept prefix's prefill, for nodes to come back or for idle groups to
-  make way hold nothing; a hold ends when its job is placed, fails or is cancelled.
+- the head of the queue (EASY backfill, as in Slurm): the oldest job (by created_at; retries ahead
+  of first attempts: jobs/memory_waits.py) waiting for memory (it fits an empty cluster, not the
+  cluster now) holds what it needs on the nodes it waits for (`Wait.hold`; jobs/memory_waits.py
+  keeps it and the dispatcher passes it as `Cluster.head`). To a later job the hold is a group of
+  its own there (jobs/head_hold.py): its bytes and a group slot, so a GPU the head waits for runs
+  nothing else, and a held CPU node takes a later job only in the bytes beyond the head's need.
+  Other nodes, and idle warm groups off the held nodes, serve later jobs as before. A later job
+  joins a running group only where the head keeps its bytes and a slot beside it (never on a GPU it
+  waits for: the join would keep that group running). The head and older jobs plan as if no hold
+  were there, so a head is never blocked by its own hold, and it waits only for the groups that were
+  on its nodes when it took them. The hold keeps to the nodes it first took (those with room then,
+  then the first busy ones by name): it does not wander from a node about to free. Jobs waiting for
+  a kept prefix's prefill, for nodes to come back or for idle groups to make way hold nothing; a
+  hold ends when its job is placed, fails or is cancelled.
 """
 
 import sys

@@ -1,7 +1,8 @@
-"""Jobs waiting for memory, in Redis, and which of them is the head: the oldest (created_at,
-then id), whose need is held on the nodes it waits for (the rule: jobs/admit_plan.py; what a
-hold takes: jobs/head_hold.py). keys.MEMORY_WAITS orders them; keys.memory_hold(job) holds
-each one's node -> bytes and expires unless the job waits again within HOLD_LEASE_S.
+"""Jobs waiting for memory, in Redis, and which of them is the head: retries first, then the oldest
+(created_at, then id), whose need is held on the nodes it waits for (the rule:
+jobs/admit_plan.py; what a hold takes: jobs/head_hold.py). keys.MEMORY_WAITS orders them;
+keys.memory_hold(job) holds each one's node -> bytes and expires unless the job waits again
+within HOLD_LEASE_S.
 
 The dispatcher writes a job's hold each time it waits for memory and drops it when the job is
 placed, fails or waits for something else. Reading the head also drops an entry whose job is no
@@ -24,6 +25,16 @@ from jobs.schemas import JobRecord
 # Longer than that; short enough that the hold of a job nobody admits any more (a lost
 # admission) frees its nodes soon.
 HOLD_LEASE_S = 120.0
+# A retry goes ahead of every first attempt (as vLLM puts a preempted request back at the front
+# of its queue): it had its turn and lost its group to a fault. Ordered by created_at alone, a
+# retry of a job submitted with a thousand others waited 12-33 min behind the older ones (the
+# second 1,000-job chaos soak). Its score is its created_at this far back.
+RETRY_AHEAD_S = 2.0**40
+
+
+def queue_score(record: JobRecord) -> float:
+    """Its place among the jobs waiting for memory: lower goes first."""
+    return record.created_at - (RETRY_AHEAD_S if record.attempt else 0.0)
 
 
 class MemoryWaits:
@@ -35,7 +46,7 @@ class MemoryWaits:
         """`record` waits for memory: `bytes_per_node` on the nodes it waits for."""
         hold = keys.memory_hold(record.id)
         with self.conn.pipeline(transaction=True) as pipe:
-            pipe.zadd(keys.MEMORY_WAITS, {record.id: record.created_at})
+            pipe.zadd(keys.MEMORY_WAITS, {record.id: queue_score(record)})
             pipe.delete(hold)
             pipe.hset(hold, mapping=cast(dict[Any, Any], bytes_per_node))  # an invariant type
             pipe.pexpire(hold, int(self.lease_s * 1000))
@@ -51,11 +62,11 @@ class MemoryWaits:
         """The hold `record`'s admission plans around: the oldest waiting job's if that is older
         than `record`; `record`'s own if it is the oldest (it keeps to the nodes it holds);
         None if neither waits."""
-        own = (record.created_at, record.id)
+        own = (queue_score(record), record.id)
         while front := cast(list, self.conn.zrange(keys.MEMORY_WAITS, 0, 0, withscores=True)):
-            [(raw_id, created_at)] = front
+            [(raw_id, score)] = front
             job_id = text(raw_id)
-            if (created_at, job_id) > own:
+            if (score, job_id) > own:
                 return None
             held = self.held(job_id)
             if job_id == record.id:

@@ -133,3 +133,16 @@ def test_a_wait_is_logged_once_per_reason(dispatcher, caplog):
         dispatcher.wait(dispatcher.store.get(record.id), Wait(reason))
     logged = [r.getMessage() for r in caplog.records if "waits:" in r.getMessage()]
     assert logged == ["job w1 waits: waiting for A", "job w1 waits: waiting for B"]
+
+
+def test_a_retry_goes_ahead_of_first_attempts_submitted_before_it(dispatcher):
+    """A job that lost its group to a fault had its turn: ordered by created_at alone, a retry
+    of a job submitted with a thousand others waited behind all the older ones (12-33 min in
+    the 1,000-job chaos soak)."""
+    waits = MemoryWaits(dispatcher.conn)
+    first, retried = submit(dispatcher, "first"), submit(dispatcher, "retried")
+    waits.record(first, {"g0": GIB, "g1": GIB})
+    retry = retried.model_copy(update={"attempt": 1})
+    assert waits.head(retry) is None  # nothing waits ahead of it
+    waits.record(retry, {"g0": GIB})
+    assert waits.head(first) == HeadHold("retried", {"g0": GIB})
