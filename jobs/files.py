@@ -31,6 +31,11 @@ def file_bytes(path: Path) -> int:
         return 0
 
 
+def folder_bytes(folder: Path) -> int:
+    """What the files under `folder` take (file_bytes: a file gone meanwhile counts 0)."""
+    return sum(file_bytes(f) for f in folder.rglob("*") if f.is_file())
+
+
 def read_at_most(file: Path, max_bytes: int) -> bytes:
     """Up to max_bytes + 1 bytes of a regular file: a longer result means over the limit.
     Directories, devices and FIFOs are refused before opening (a FIFO would block)."""

@@ -121,11 +121,7 @@ class BatchDecoder:
         vote = self._vote_rows([sequence], prefill.logits[None])
         self._rows.append(sequence)
         self._vote = vote if self._vote is None else mx.concatenate([self._vote, vote], axis=1)
-        # Wait for the copy, then hand MLX's cache of freed buffers back: a row that grew the
-        # buffer freed the old one (half the new), and the CUDA allocator did not reuse it for
-        # the next joiner's load: the 4th 128K row of an H200 batch ran out of memory.
-        mx.eval(self._vote, self.cache.state())
-        mx.clear_cache()
+        mx.async_eval(self._vote, self.cache.state())
 
     def run(self) -> list[SequenceResult]:
         """Step until every sequence has left; results in the order they left."""

@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-from jobs.files import file_bytes
+from jobs.files import folder_bytes
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
@@ -58,8 +58,7 @@ def default_budget_bytes(root: Path) -> int:
     """Half of what the store could use: the disk's free space and its own files (the budget
     does not shrink as the store fills)."""
     root.mkdir(parents=True, exist_ok=True)
-    own = sum(file_bytes(f) for f in root.rglob("*") if f.is_file())
-    return int((shutil.disk_usage(root).free + own) * DEFAULT_BUDGET_FRACTION)
+    return int((shutil.disk_usage(root).free + folder_bytes(root)) * DEFAULT_BUDGET_FRACTION)
 
 
 def node_store(home: Path, node: str, budget_bytes: int | None = None) -> "CacheStore":
@@ -146,7 +145,7 @@ class CacheStore:
 
     def used_bytes(self) -> int:
         """Everything in the folder, temporary files included."""
-        return sum(file_bytes(f) for f in self.root.rglob("*") if f.is_file())
+        return folder_bytes(self.root)
 
     def drop(self, name: str) -> bool:
         """Delete a cache file by name (pinned or not); whether there was one."""

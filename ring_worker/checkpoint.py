@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from admission.estimate import HELD_SEGMENTS, max_segment_tokens
-from jobs.files import file_bytes
+from jobs.files import file_bytes, folder_bytes
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
@@ -144,7 +144,7 @@ def saved_tokens(home: Path, job_id: str, layout: str, ranks: int) -> int:
 def delete_checkpoints(home: Path, job_id: str) -> int:
     """Remove a job's checkpoints, every node's parts (when it ends); the bytes freed."""
     folder = checkpoint_dir(home, job_id)
-    freed = sum(file_bytes(p) for p in folder.rglob("*") if p.is_file())
+    freed = folder_bytes(folder)
     shutil.rmtree(folder, ignore_errors=True)
     return freed
 

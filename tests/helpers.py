@@ -94,13 +94,20 @@ def rank_log(cluster, placement: Placement, rank: int) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def rank_pid(group_id: str, rank: int) -> int:
+def find_rank_pid(group_id: str, rank: int) -> int | None:
+    """The pid of `rank`'s process in group `group_id`, if it runs."""
     for pid in rank_processes(group_id):
         with suppress(psutil.Error):
             argv = psutil.Process(pid).cmdline()
             if argv[argv.index("--rank") + 1] == str(rank):
                 return pid
-    raise AssertionError(f"no rank {rank} process for group {group_id}")
+    return None
+
+
+def rank_pid(group_id: str, rank: int) -> int:
+    if (pid := find_rank_pid(group_id, rank)) is None:
+        raise AssertionError(f"no rank {rank} process for group {group_id}")
+    return pid
 
 
 def completions(cluster, job_id: str) -> int:

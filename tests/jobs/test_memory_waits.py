@@ -12,26 +12,11 @@ from jobs.dispatcher import Dispatcher
 from jobs.head_hold import HeadHold
 from jobs.lifecycle import JobState
 from jobs.memory_waits import MemoryWaits
-from jobs.schemas import JobKind, JobRecord, JobSpec, NodeInfo
+from jobs.schemas import JobKind, JobRecord, JobSpec
 from jobs.settings import Settings
+from tests.jobs.test_admit_plan import GIB, gpu
 
-GIB = 1024**3
 MODEL = "random:llama-3.1-8b"
-
-
-def gpu(name: str, index: int) -> NodeInfo:
-    return NodeInfo(
-        name=name,
-        backend="cuda",
-        memory_bytes=130 * GIB,
-        available_bytes=130 * GIB,
-        address="127.0.0.1",
-        device=f"cuda:{index} NVIDIA H200",
-        gpu=f"hostA/{index}",
-        pid=1,
-        started_at=0.0,
-        heartbeat_at=time.time(),
-    )
 
 
 @pytest.fixture

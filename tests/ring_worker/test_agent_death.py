@@ -25,8 +25,8 @@ from tests.helpers import (
     LONG_DOCUMENT,
     child_pid,
     final_record,
+    find_rank_pid,
     private_cluster,
-    rank_processes,
     wait_for,
 )
 
@@ -58,16 +58,6 @@ def store(death_cluster) -> JobStore:
 AGENTS = ("die-0", "die-1")
 
 
-def rank_of(group_id: str, rank: int) -> int | None:
-    """The pid of `rank`'s process in group `group_id`, once it runs."""
-    for pid in rank_processes(group_id):
-        with suppress(psutil.Error):
-            argv = psutil.Process(pid).cmdline()
-            if argv[argv.index("--rank") + 1] == str(rank):
-                return pid
-    return None
-
-
 def listening(pid: int) -> bool:
     """Rank 0 of MLX's ring listens for its peer inside mx.distributed.init."""
     try:
@@ -97,9 +87,9 @@ def stuck_joining(cluster: LocalCluster, store: JobStore, tiny_llama_dir) -> Stu
     spec = JobSpec(kind=JobKind.PREFILL, document=LONG_DOCUMENT, model=str(tiny_llama_dir), ranks=2)
     job_id = submit_job(store.conn, spec).id
     placement = wait_for(lambda: store.get(job_id).placement, "the job's placement")
-    rank1 = wait_for(partial(rank_of, placement.group_id, 1), "rank 1 to start")
+    rank1 = wait_for(partial(find_rank_pid, placement.group_id, 1), "rank 1 to start")
     os.kill(rank1, signal.SIGSTOP)  # long before its imports are done: it never joins
-    rank0 = wait_for(partial(rank_of, placement.group_id, 0), "rank 0 to start")
+    rank0 = wait_for(partial(find_rank_pid, placement.group_id, 0), "rank 0 to start")
     wait_for(partial(listening, rank0), "rank 0 to wait for its peer")
     assert store.get(job_id).state == JobState.LOADING
     return Stuck(job_id, placement.nodes, [rank0, rank1])
