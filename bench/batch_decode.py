@@ -85,13 +85,11 @@ def main() -> int:
 
 
 def git_commit() -> str:
-    """HEAD, with "+dirty" when the working tree differs from it."""
-    import subprocess
+    """The commit that ran (cli.bench_machine.source_revision), "+dirty" when the tree differs."""
+    from cli.bench_machine import source_revision
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain") else "")
+    revision = source_revision() or {"commit": "unknown", "dirty": False}
+    return revision["commit"][:7] + ("+dirty" if revision["dirty"] else "")
 
 
 def parse_args() -> argparse.Namespace:

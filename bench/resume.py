@@ -60,18 +60,18 @@ def resumed_from(home: Path, job_id: str) -> int:
     return 0
 
 
-def run_jobs(model: str, document: str, every_tokens: int, kill_share: float) -> dict:
+def run_jobs(model: str, document: str, every_tokens: int, kill_share: float, nodes: int) -> dict:
     """The uninterrupted job and the killed one, checkpoints on; then the killed one again in a
     cluster with checkpoints off (the same kill point): the restart from zero."""
     spec = JobSpec(kind=JobKind.PREFILL, document=document, model=model)
-    with private_cluster("resume", cluster_env(every_tokens)) as cluster:
+    with private_cluster("resume", cluster_env(every_tokens), nodes) as cluster:
         store = JobStore(connect(cluster.url))
         clean = submit_job(store.conn, spec)
         whole = wait_for(lambda: final_record(store, clean.id), "the clean run", TIMEOUT_S)
         if whole.state != JobState.FINISHED or whole.result is None:
             raise click.ClickException(f"the uninterrupted run ended {whole.state}: {whole.error}")
         resumed = killed_run(store, cluster.settings.home, spec, kill_share)
-    with private_cluster("restart", cluster_env(0)) as cluster:
+    with private_cluster("restart", cluster_env(0), nodes) as cluster:
         restarted = killed_run(
             JobStore(connect(cluster.url)), cluster.settings.home, spec, kill_share
         )
@@ -131,22 +131,27 @@ def ratios(result: dict) -> dict[str, float]:
 @click.option("--repeat", default=400, show_default=True, help="Sentences in the document.")
 @click.option("--every", "every_tokens", default=1024, show_default=True)
 @click.option("--kill-at", "kill_share", default=0.85, show_default=True)
-def main(model: str, repeat: int, every_tokens: int, kill_share: float) -> None:
+@click.option("--nodes", default=2, show_default=True, help="Node agents (1 on a one-GPU host).")
+@click.option("--out", type=click.Path(path_type=Path), help="The JSON (default: bench/results).")
+def main(
+    model: str, repeat: int, every_tokens: int, kill_share: float, nodes: int, out: Path | None
+) -> None:
     """Run the three jobs (see the module docstring) and write their JSON."""
-    result = run_jobs(model, SENTENCE * repeat, every_tokens, kill_share)
+    result = run_jobs(model, SENTENCE * repeat, every_tokens, kill_share, nodes)
     result.update(ratios(result))
     result.update(
         model=model,
         checkpoint_tokens=every_tokens,
         kill_share=kill_share,
+        nodes=nodes,
         load_avg_1m=os.getloadavg()[0],
         when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     )
-    name = f"resume-{model.replace(':', '-')}-{result['prompt_tokens']}.json"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / name).write_text(json.dumps(result, indent=1))
+    out = out or OUT / f"resume-{model.replace(':', '-')}-{result['prompt_tokens']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     click.echo(json.dumps(result, indent=1))
-    click.echo(f"written: {OUT / name}")
+    click.echo(f"written: {out}")
 
 
 if __name__ == "__main__":

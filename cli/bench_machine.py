@@ -54,7 +54,12 @@ def machine_info(settings: Settings) -> dict[str, Any]:
 
 
 def source_revision() -> dict[str, Any] | None:
-    """The git commit of the code that ran, and whether it had uncommitted changes."""
+    """The git commit of the code that ran, and whether it had uncommitted changes.
+    RINGQ_SOURCE_COMMIT overrides it where the checkout's .git is not the code's (a copied tree,
+    as on the device machine)."""
+    given = os.environ.get("RINGQ_SOURCE_COMMIT")
+    if given:
+        return {"commit": given, "dirty": False, "from": "RINGQ_SOURCE_COMMIT"}
     here = Path(__file__).parent
     try:
         commit = subprocess.run(

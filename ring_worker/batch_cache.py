@@ -5,7 +5,8 @@ that column cannot join without re-padding (copying) every row, and the column o
 while the batch is never empty. Here each row starts at position 0 and holds its own length
 (host-side ints, no device sync): a step writes each row's new K/V at that row's own length (one
 scatter per layer), RoPE takes per-row offsets, and attention reads columns [0, longest + 1) with a
-boolean mask hiding each row's columns past its own length. Joining copies only the joining
+boolean mask hiding each row's columns past its own length (on CUDA, ring_worker/rows_attention.py
+reads each row's own columns instead, with no mask). Joining copies only the joining
 sequence's K/V into a free row; leaving moves the last row into the freed one.
 
 When every row has the same length (one sequence, or sequences that joined together) the step is
@@ -29,6 +30,7 @@ class Rows:
         self.lengths: list[int] = []
         self._offset: int | mx.array | None = None
         self._mask: mx.array | None = None
+        self._visible: mx.array | None = None
         self._uniform: bool | None = None  # cached: every layer asks, every step
 
     def __len__(self) -> int:
@@ -61,8 +63,14 @@ class Rows:
             self._mask = visible.reshape(len(self), 1, 1, -1)
         return self._mask
 
+    def visible(self) -> mx.array:
+        """int32 (rows,): the columns row b attends to in this step, lengths[b] + 1."""
+        if self._visible is None:
+            self._visible = mx.array([n + 1 for n in self.lengths], dtype=mx.int32)
+        return self._visible
+
     def changed(self) -> None:
-        self._offset = self._mask = self._uniform = None
+        self._offset = self._mask = self._visible = self._uniform = None
 
     def advance(self) -> None:
         """After a step: every row holds one more position (uniform stays as it was)."""
@@ -91,8 +99,15 @@ class SlotCache:
         return self.rows.mask()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store the step's K/V (rows, kv_heads, 1, head_dim) at each row's length; return the
-        columns every row may attend to (the mask hides the rest)."""
+        """Store the step's K/V at each row's length; return the columns every row may attend
+        to (the mask hides the rest)."""
+        self.store(keys, values)
+        assert self.keys is not None and self.values is not None
+        count, end = len(self.rows), self.rows.longest + 1
+        return self.keys[:count, :, :end], self.values[:count, :, :end]
+
+    def store(self, keys: mx.array, values: mx.array) -> None:
+        """Write the step's K/V (rows, kv_heads, 1, head_dim) at each row's length."""
         rows = self.rows
         count, end = len(rows), rows.longest + 1
         self._reserve(count, end, keys)
@@ -105,7 +120,6 @@ class SlotCache:
             index, positions = mx.arange(count), rows.offset
             self.keys[index, :, positions] = keys[:, :, 0]
             self.values[index, :, positions] = values[:, :, 0]
-        return self.keys[:count, :, :end], self.values[:count, :, :end]
 
     def put(self, row: int, keys: mx.array, values: mx.array, reserve_tokens: int) -> None:
         """Copy one sequence's K/V ((1, kv_heads, length, head_dim)) into `row`, with room for

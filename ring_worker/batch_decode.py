@@ -14,6 +14,8 @@ Design (after reading mlx-lm 0.32's BatchGenerator / BatchKVCache and this engin
 - A row leaves as soon as its vote is read: stop token, max_tokens, or cancel (then only that
   sequence gets `cancelled`). Its row is freed at once (the last row moves into it); the KV
   buffers keep their size until the last row leaves, and are then dropped.
+- Rows of different lengths attend through a boolean mask on the CPU and Metal; on CUDA, where
+  MLX's fused SDPA takes no mask, through ring_worker/rows_attention.py's kernels instead.
 - Every rank must add the same sequences in the same order; rows then stay identical on every
   rank, since leaving depends only on the agreed votes.
 Layouts: single and ring with replicated KV (every rank holds every sequence's whole KV; decode
@@ -32,6 +34,7 @@ import mlx.core as mx
 from ring_worker.batch_cache import BatchCache
 from ring_worker.engine import Engine, PrefillResult, ProgressFn, RingEngine, StopFn
 from ring_worker.pipeline import PipelineEngine
+from ring_worker.rows_attention import install_rows_attention
 
 CLEAR_CACHE_STEPS = 256
 LogitsHook = Callable[[list[str], mx.array], None]  # (row keys, (rows, vocab) float32 logits)
@@ -94,6 +97,7 @@ class BatchDecoder:
             raise ValueError(f"{type(engine).__name__} with this KV layout cannot batch decode")
         self.engine = engine
         self.on_logits = on_logits
+        self.fused_rows = install_rows_attention(engine.model)  # CUDA: mixed lengths unmasked
         self._slots = max_batch or 1
         self.cache = BatchCache(len(engine.model.layers), self._slots)
         self._rows: list[_Sequence] = []  # in cache row order

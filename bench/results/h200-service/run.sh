@@ -7,6 +7,8 @@
 #   bash bench/results/h200-service/run.sh decode      # one sequence vs mlx-lm; 32 rows vs BatchGenerator
 #   bash bench/results/h200-service/run.sh prefix      # a 128K document x 8 questions, reuse on/off
 #   bash bench/results/h200-service/run.sh batch       # 32 generate jobs, RINGQ_MAX_BATCH=32 vs 1
+#   bash bench/results/h200-service/run.sh rows        # mixed-length decode kernels; 32 rows vs BatchGenerator
+#   bash bench/results/h200-service/run.sh resume      # a ~128K prefill killed late: resumed vs restarted
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -63,6 +65,16 @@ PY
       timeout 400 python3 -m bench.batch_service --model $model --jobs 32 --doc-tokens 4096 \
         --max-tokens 256 --max-batch 32 --prefix-cache ${PREFIX_CACHE:-on} \
         --out "$out/batch-service-h200-prefix-${PREFIX_CACHE:-on}.json"
+      ;;
+    rows)
+      python3 -m bench.rows_attention_probe --out "$out/rows-attention-probe.json"
+      python3 -m bench.batch_decode --model $model --part paired-batch --sequences 32 \
+        --prompt-tokens 4096 --max-tokens 256 --chunk-tokens 4096 \
+        --out "$out/batch-decode-h200-paired-rows-kernel.json"
+      ;;
+    resume)
+      timeout 580 python3 -m bench.resume --model $model --repeat ${RESUME_REPEAT:-8500} \
+        --every 2048 --kill-at 0.85 --nodes 1 --out "$out/resume-h200.json"
       ;;
     calibrate)
       for m in random:llama-3.2-1b $model; do

@@ -1,0 +1,287 @@
+"""Decode attention over rows of different lengths, fused, on MLX's CUDA backend.
+
+A decode batch's rows hold different lengths (ring_worker/batch_cache.py). MLX's fused SDPA takes
+no boolean mask on CUDA: with one it falls back to matmul + softmax over the sliced cache, and a
+32-row step of the 8B shape took 51 ms on an H200 against 17 ms when every row had one length
+(bench/results/batch-decode-h200-paired-*.json).
+
+Here two kernels do it (flash-decoding):
+- `rows_partial`: one block of 4 warps per (row, KV head, key split). The block keeps its GQA
+  group's queries in registers, and each warp walks its keys one at a time with an online softmax
+  (lane i holds head dims i, i + 32, ...: loads are coalesced). Each row reads only its own
+  keys, [0, length), straight from the batch's KV buffers (no slice, no copy, no mask).
+- `rows_combine`: merges the splits of each (row, query head).
+
+`RowsAttention` wraps a layer's attention module: on a SlotCache whose rows differ in length it
+computes Q/K/V itself (`project_qkv`, as the ring does), stores K/V in the rows, and calls
+`attend`; on any other cache it is the plain module. `attend` is this file's kernels on CUDA; the
+tests pass `reference_attention` (MLX ops) on the CPU to check the wrapper.
+"""
+
+from collections.abc import Callable
+from functools import cache
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ring_worker.batch_cache import SlotCache
+from ring_worker.ring_attention import project_qkv
+
+Attend = Callable[[mx.array, mx.array, mx.array, mx.array, int, float], mx.array]
+
+WARPS = 4  # per block of rows_partial (the kernel source says the same)
+TARGET_BLOCKS = 512  # enough blocks to fill an H200's 132 SMs a few times over
+MIN_SPLIT_KEYS = 256  # a split's keys: fewer leaves each warp too little to amortise its start
+
+PARTIAL_SOURCE = """
+    constexpr int WARPS = 4;
+    constexpr int DPL = D / 32;
+    const int HKV = keys_shape[1];
+    const int C = keys_shape[2];
+    const int split = blockIdx.x % NSPLIT;
+    const int bh = blockIdx.x / NSPLIT;
+    const int kvh = bh % HKV;
+    const int b = bh / HKV;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int len = lengths[b];
+    const int per = (len + NSPLIT - 1) / NSPLIT;
+    const int start = split * per;
+    const int end = min(len, start + per);
+    const long long base = (long long)(b * HKV + kvh) * C * D;
+    const float sc = scale[0];
+
+    float qr[G][DPL];
+    float m[G], l[G], acc[G][DPL];
+    for (int g = 0; g < G; ++g) {
+        const long long qh = ((long long)(b * HKV + kvh) * G + g) * D;
+        for (int i = 0; i < DPL; ++i) {
+            qr[g][i] = static_cast<float>(queries[qh + lane + 32 * i]) * sc;
+            acc[g][i] = 0.f;
+        }
+        m[g] = -inf;
+        l[g] = 0.f;
+    }
+    for (int j = start + warp; j < end; j += WARPS) {
+        const T* kr = keys + base + (long long)j * D;
+        const T* vr = values + base + (long long)j * D;
+        float kf[DPL], vf[DPL];
+        for (int i = 0; i < DPL; ++i) {
+            kf[i] = static_cast<float>(kr[lane + 32 * i]);
+            vf[i] = static_cast<float>(vr[lane + 32 * i]);
+        }
+        for (int g = 0; g < G; ++g) {
+            float s = 0.f;
+            for (int i = 0; i < DPL; ++i) {
+                s += qr[g][i] * kf[i];
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                s += __shfl_xor_sync(0xffffffff, s, o);
+            }
+            const float mn = fmaxf(m[g], s);
+            const float a = __expf(m[g] - mn);
+            const float e = __expf(s - mn);
+            l[g] = l[g] * a + e;
+            for (int i = 0; i < DPL; ++i) {
+                acc[g][i] = acc[g][i] * a + e * vf[i];
+            }
+            m[g] = mn;
+        }
+    }
+
+    __shared__ float stats[WARPS][G][2];
+    __shared__ float sums[WARPS][G][D];
+    for (int g = 0; g < G; ++g) {
+        if (lane == 0) {
+            stats[warp][g][0] = m[g];
+            stats[warp][g][1] = l[g];
+        }
+        for (int i = 0; i < DPL; ++i) {
+            sums[warp][g][lane + 32 * i] = acc[g][i];
+        }
+    }
+    __syncthreads();
+    const int H = HKV * G;
+    for (int idx = threadIdx.x; idx < G * D; idx += WARPS * 32) {
+        const int g = idx / D;
+        const int d = idx % D;
+        float M = -inf;
+        for (int w = 0; w < WARPS; ++w) {
+            M = fmaxf(M, stats[w][g][0]);
+        }
+        float L = 0.f, A = 0.f;
+        for (int w = 0; w < WARPS; ++w) {
+            const float mw = stats[w][g][0];
+            if (mw != -inf) {
+                const float f = __expf(mw - M);
+                L += stats[w][g][1] * f;
+                A += sums[w][g][d] * f;
+            }
+        }
+        const long long at = (long long)(b * H + kvh * G + g) * NSPLIT + split;
+        part_acc[at * D + d] = A;
+        if (d == 0) {
+            part_max[at] = M;
+            part_sum[at] = L;
+        }
+    }
+"""
+
+COMBINE_SOURCE = """
+    const long long bh = blockIdx.x;
+    const int d = threadIdx.x;
+    float M = -inf;
+    for (int s = 0; s < NSPLIT; ++s) {
+        M = fmaxf(M, part_max[bh * NSPLIT + s]);
+    }
+    float L = 0.f, A = 0.f;
+    for (int s = 0; s < NSPLIT; ++s) {
+        const float ms = part_max[bh * NSPLIT + s];
+        if (ms != -inf) {
+            const float f = __expf(ms - M);
+            L += part_sum[bh * NSPLIT + s] * f;
+            A += part_acc[(bh * NSPLIT + s) * D + d] * f;
+        }
+    }
+    out[bh * D + d] = static_cast<T>(L > 0.f ? A / L : 0.f);
+"""
+
+
+def kernels_available() -> bool:
+    """Whether this process computes on MLX's CUDA backend (the kernels' only home)."""
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
+@cache
+def _partial_kernel():
+    return mx.fast.cuda_kernel(
+        name="ringq_rows_partial",
+        input_names=["queries", "keys", "values", "lengths", "scale"],
+        output_names=["part_acc", "part_max", "part_sum"],
+        source=PARTIAL_SOURCE,
+    )
+
+
+@cache
+def _combine_kernel():
+    return mx.fast.cuda_kernel(
+        name="ringq_rows_combine",
+        input_names=["part_acc", "part_max", "part_sum"],
+        output_names=["out"],
+        source=COMBINE_SOURCE,
+    )
+
+
+@cache
+def _scale_array(scale: float) -> mx.array:
+    return mx.array([scale], dtype=mx.float32)
+
+
+def split_count(blocks: int, longest: int) -> int:
+    """Key splits per (row, KV head): a power of two (each is a compiled variant), enough to
+    reach TARGET_BLOCKS blocks, none shorter than MIN_SPLIT_KEYS keys."""
+    splits = 1
+    while blocks * splits < TARGET_BLOCKS and longest // (2 * splits) >= MIN_SPLIT_KEYS:
+        splits *= 2
+    return splits
+
+
+def kernel_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    lengths: mx.array,
+    longest: int,
+    scale: float,
+) -> mx.array:
+    """softmax(q k^T * scale) v for row b over keys[b, :, :lengths[b]]. queries
+    (rows, heads, 1, dim); keys/values the batch's whole buffers (slots >= rows, kv_heads,
+    capacity, dim); lengths int32 (rows,), at most `longest`. Returns (rows, heads, 1, dim)."""
+    rows, heads, _, dim = queries.shape
+    kv_heads = keys.shape[1]
+    splits = split_count(rows * kv_heads, longest)
+    parts = rows * heads * splits
+    acc, top, total = _partial_kernel()(
+        inputs=[queries, keys, values, lengths, _scale_array(scale)],
+        template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads), ("NSPLIT", splits)],
+        grid=(rows * kv_heads * splits * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(parts * dim,), (parts,), (parts,)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    return _combine_kernel()(
+        inputs=[acc, top, total],
+        template=[("T", queries.dtype), ("D", dim), ("NSPLIT", splits)],
+        grid=(rows * heads * dim, 1, 1),
+        threadgroup=(dim, 1, 1),
+        output_shapes=[(rows, heads, 1, dim)],
+        output_dtypes=[queries.dtype],
+    )[0]
+
+
+def reference_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    lengths: mx.array,
+    longest: int,
+    scale: float,
+) -> mx.array:
+    """What kernel_attention computes, in MLX ops (masked SDPA over the first `longest` keys)."""
+    rows = queries.shape[0]
+    k, v = keys[:rows, :, :longest], values[:rows, :, :longest]
+    visible = (mx.arange(longest)[None] < lengths[:, None]).reshape(rows, 1, 1, longest)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=visible)
+
+
+def supported(module: nn.Module) -> bool:
+    """Head dims the kernels take: a multiple of 32 (one warp's lanes), at most 256."""
+    dim = module.q_proj.weight.shape[0] // module.n_heads
+    return dim % 32 == 0 and dim <= 256
+
+
+class RowsAttention(nn.Module):
+    """Wraps one attention module (mlx-lm's, or the ring's wrapper of it): a decode step over
+    rows of different lengths goes through `attend`; everything else through the module."""
+
+    def __init__(self, inner: nn.Module, attend: Attend):
+        super().__init__()
+        self.inner = inner
+        self._attend = attend
+
+    def __call__(self, x: mx.array, mask: object = None, cache: object = None) -> mx.array:
+        if not isinstance(cache, SlotCache) or cache.rows.uniform:
+            return self.inner(x, mask, cache)
+        attn = _mlx_lm_attention(self.inner)
+        q, k, v = project_qkv(attn, x, cache.offset)
+        cache.store(k, v)
+        rows = cache.rows
+        assert cache.keys is not None and cache.values is not None
+        out = self._attend(
+            q, cache.keys, cache.values, rows.visible(), rows.longest + 1, attn.scale
+        )
+        out = out.astype(x.dtype).transpose(0, 2, 1, 3)
+        return attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
+
+
+def _mlx_lm_attention(module: nn.Module) -> nn.Module:
+    inner = getattr(module, "inner", None)
+    return module if inner is None else _mlx_lm_attention(inner)
+
+
+def install_rows_attention(model: nn.Module, attend: Attend | None = None) -> bool:
+    """Route every layer's mixed-length decode steps through `attend` (default: the CUDA kernels,
+    where they run and the head dim suits them). Returns whether anything is routed."""
+    layers = model.layers
+    if attend is None:
+        if not kernels_available():
+            return False
+        if not all(supported(_mlx_lm_attention(layer.self_attn)) for layer in layers):
+            return False
+        attend = kernel_attention
+    for layer in layers:
+        if isinstance(layer.self_attn, RowsAttention):
+            layer.self_attn._attend = attend
+        else:
+            layer.self_attn = RowsAttention(layer.self_attn, attend)
+    return True
