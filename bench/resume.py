@@ -98,7 +98,9 @@ def killed_run(store: JobStore, home: Path, spec: JobSpec, kill_share: float) ->
     assert late.placement is not None
     hint = checkpoint_hint(read_marks(store.conn, job.id))
     killed_at = time.time()
-    os.kill(rank_pid(late.placement.group_id, late.placement.ranks - 1), signal.SIGKILL)
+    placement, last = late.placement, late.placement.ranks - 1
+    node = placement.nodes[last * len(placement.nodes) // placement.ranks]
+    os.kill(rank_pid(placement.group_id, last, store.conn, node), signal.SIGKILL)
     end = wait_for(lambda: final_record(store, job.id), "the retry", TIMEOUT_S)
     if end.state != JobState.FINISHED or end.result is None:
         raise click.ClickException(f"the retried run ended {end.state}: {end.error}")

@@ -57,9 +57,10 @@ reservation (ring_worker/memory_tier.py): beside a job it holds at most (the gro
 bytes per node - that job's own estimate, both on the placement); a larger copy leaves memory
 before the prefill (its prefix stays on disk), and a job that starts from the copy takes it over.
 
-When is a prompt kept: every job's prompt KV, unless it adds less than KEEP_MIN_NEW_FRACTION of
-its prompt beyond the prefix it reused (the eight questions of one document keep the document
-once, not eight times; a conversation that grows by a few turns reuses the older entry and
+When is a prompt kept: every job's prompt KV in memory; on disk unless reading the file back
+would be slower than recomputing the prompt (`worth_a_file`: a GPU's short prompts), or it adds
+less than KEEP_MIN_NEW_FRACTION of its prompt beyond the prefix it reused (the eight questions of
+one document keep the document once, not eight times; a conversation that grows by a few turns reuses the older entry and
 recomputes a little more). RINGQ_PREFIX_CACHE=off turns matching and keeping off.
 """
 
@@ -77,6 +78,9 @@ BLOCK_TOKENS = 256
 KEEP_MIN_NEW_FRACTION = 0.25
 WAIT_MIN_FRACTION = 0.5  # of a prompt an in-flight prefill must stand for, for a job to wait
 PENDING_TTL_S = 3600.0  # an in-flight marker's safety expiry (one of an ended job is ignored)
+# Reading a kept file back: 16 GiB in 6-9 s on the H200 (bench/results/h200-service, the 128K
+# prefix run's logs), page cache aside; CPU nodes read as fast and prefill far slower.
+READ_BYTES_PER_S = 2e9
 PENDING_GRACE_S = 60.0  # a finished job's marks still count this long (its KV is being kept)
 
 Layout = Strategy  # the layout an entry was kept by: the strategy that prefilled it
@@ -206,6 +210,14 @@ def worth_keeping(prompt_tokens: int, reused_tokens: int) -> bool:
     if prompt_tokens < BLOCK_TOKENS:
         return False
     return prompt_tokens - reused_tokens >= KEEP_MIN_NEW_FRACTION * prompt_tokens
+
+
+def worth_a_file(recompute_s: float, file_bytes: int) -> bool:
+    """Whether a disk copy of a prompt's KV can pay off: reading it back must beat recomputing
+    the prompt. On an H200 a 4K prompt of the 8B shape prefills in ~0.1 s while its 0.5 GB file
+    reads in ~0.25 s; its 128K prompt takes ~11 s, its 16 GiB file 6-9 s. Unknown (0) times
+    keep the file."""
+    return recompute_s <= 0 or recompute_s * READ_BYTES_PER_S > file_bytes
 
 
 def choose_entry(entries: Sequence[CacheEntry], node_order: Sequence[str]) -> CacheEntry | None:

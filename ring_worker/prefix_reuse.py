@@ -23,6 +23,7 @@ from jobs.prefix_cache import (
     Layout,
     choose_entry,
     exact_reuse_tokens,
+    worth_a_file,
     worth_keeping,
 )
 from jobs.prefix_index import PrefixIndex, model_key
@@ -232,6 +233,23 @@ def should_keep(prompt_tokens: int, reused: Reuse | None, pinned: bool) -> bool:
     return pinned or worth_keeping(prompt_tokens, reused.tokens if reused else 0)
 
 
+def file_pays_off(prefill: PrefillResult, prompt_tokens: int, held_tokens: int) -> bool:
+    """This rank's file (its `held_tokens` positions of the prompt) against recomputing the
+    whole prompt at this prefill's rate."""
+    if prefill.prompt_tokens <= 0:
+        return True
+    recompute_s = prefill.seconds * prompt_tokens / prefill.prompt_tokens
+    file_bytes = held_tokens * sum(kv_bytes_per_token(c) for c in prefill.cache)
+    return worth_a_file(recompute_s, file_bytes)
+
+
+def kv_bytes_per_token(cache: Any) -> int:
+    keys = getattr(cache, "keys", None)
+    if keys is None or keys.shape[2] == 0:
+        return 0
+    return 2 * keys.nbytes // (keys.shape[0] * keys.shape[2])
+
+
 @dataclass
 class RankPrefixCache:
     """One rank's handle on prefix reuse: the index, its node's store, where it sits, and the
@@ -316,6 +334,10 @@ class RankPrefixCache:
         self.remember(entry_id, tokens, prefill.cache, positions)
         if not should_keep(len(tokens), reused, pinned):
             return None
+        held = sum(stop - start for start, stop in clip_ranges(positions, len(tokens)))
+        pays = file_pays_off(prefill, len(tokens), held)
+        if not pinned and not all(engine.gather_ints(int(pays))):
+            return None  # decided together: each rank's own timing differs a little
         # Failures are logged, never raised, between the two collectives: every rank must
         # reach both, and the job's answer already stands.
         if view.rank in view.writers:

@@ -34,6 +34,7 @@ TARGET_BLOCKS = 512  # enough blocks to fill an H200's 132 SMs a few times over
 MIN_SPLIT_KEYS = 256  # a split's keys: fewer leaves each warp too little to amortise its start
 
 PARTIAL_SOURCE = """
+    const float NEG_INF = -__int_as_float(0x7f800000);
     constexpr int WARPS = 4;
     constexpr int DPL = D / 32;
     const int HKV = keys_shape[1];
@@ -59,7 +60,7 @@ PARTIAL_SOURCE = """
             qr[g][i] = static_cast<float>(queries[qh + lane + 32 * i]) * sc;
             acc[g][i] = 0.f;
         }
-        m[g] = -inf;
+        m[g] = NEG_INF;
         l[g] = 0.f;
     }
     for (int j = start + warp; j < end; j += WARPS) {
@@ -105,14 +106,14 @@ PARTIAL_SOURCE = """
     for (int idx = threadIdx.x; idx < G * D; idx += WARPS * 32) {
         const int g = idx / D;
         const int d = idx % D;
-        float M = -inf;
+        float M = NEG_INF;
         for (int w = 0; w < WARPS; ++w) {
             M = fmaxf(M, stats[w][g][0]);
         }
         float L = 0.f, A = 0.f;
         for (int w = 0; w < WARPS; ++w) {
             const float mw = stats[w][g][0];
-            if (mw != -inf) {
+            if (mw != NEG_INF) {
                 const float f = __expf(mw - M);
                 L += stats[w][g][1] * f;
                 A += sums[w][g][d] * f;
@@ -128,16 +129,17 @@ PARTIAL_SOURCE = """
 """
 
 COMBINE_SOURCE = """
+    const float NEG_INF = -__int_as_float(0x7f800000);
     const long long bh = blockIdx.x;
     const int d = threadIdx.x;
-    float M = -inf;
+    float M = NEG_INF;
     for (int s = 0; s < NSPLIT; ++s) {
         M = fmaxf(M, part_max[bh * NSPLIT + s]);
     }
     float L = 0.f, A = 0.f;
     for (int s = 0; s < NSPLIT; ++s) {
         const float ms = part_max[bh * NSPLIT + s];
-        if (ms != -inf) {
+        if (ms != NEG_INF) {
             const float f = __expf(ms - M);
             L += part_sum[bh * NSPLIT + s] * f;
             A += part_acc[(bh * NSPLIT + s) * D + d] * f;

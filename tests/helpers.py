@@ -10,10 +10,12 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import psutil
+import redis
 
 from cli.services import LocalCluster
+from jobs import keys
 from jobs.lifecycle import JobState
-from jobs.schemas import JobRecord, Placement
+from jobs.schemas import JobRecord, NodeRank, Placement
 from jobs.settings import Settings
 from jobs.store import JobStore
 
@@ -104,8 +106,15 @@ def find_rank_pid(group_id: str, rank: int) -> int | None:
     return None
 
 
-def rank_pid(group_id: str, rank: int) -> int:
-    if (pid := find_rank_pid(group_id, rank)) is None:
+def rank_pid(group_id: str, rank: int, conn: redis.Redis | None = None, node: str = "") -> int:
+    """As find_rank_pid; given Redis and the rank's node, also a rank that began as its agent's
+    spare (started before its group: no group id on its command line), from the agent's record
+    (keys.node_ranks)."""
+    pid = find_rank_pid(group_id, rank)
+    if pid is None and conn is not None:
+        raw = conn.hget(keys.node_ranks(node), f"{group_id}:{rank}")
+        pid = NodeRank.model_validate_json(raw).pid if raw else None
+    if pid is None:
         raise AssertionError(f"no rank {rank} process for group {group_id}")
     return pid
 

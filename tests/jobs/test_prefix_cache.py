@@ -14,6 +14,7 @@ from jobs.prefix_cache import (
     exact_reuse_tokens,
     longest_present,
     wait_for_pending,
+    worth_a_file,
     worth_keeping,
 )
 from jobs.prefix_index import PendingPrefixes, PrefixIndex
@@ -155,3 +156,19 @@ def test_wait_for_pending(hint, prompt, waits):
     assert (reason is not None) is waits
     if waits:
         assert "job a" in reason
+
+
+GIB = 1024**3
+
+
+@pytest.mark.parametrize(
+    ("recompute_s", "file_bytes", "keep"),
+    [
+        (0.11, GIB // 2, False),  # H200, 8B shape, 4K prompt: reading it back is slower
+        (11.8, 16 * GIB, True),  # the same at 128K: reading is faster
+        (3.0, 180 * 1024**2, True),  # CPU, SmolLM2 at 4K
+        (0.0, 16 * GIB, True),  # no timing: keep
+    ],
+)
+def test_worth_a_file(recompute_s, file_bytes, keep):
+    assert worth_a_file(recompute_s, file_bytes) is keep
