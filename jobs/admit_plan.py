@@ -189,7 +189,11 @@ def plan_memory_wait(
             return wait
         raise AdmissionError(str(never)) from None
     hold = dict.fromkeys(waited.nodes, waited.bytes_per_node)
-    evict = [group for group, _ in cluster.idle]
+    # idle groups make way only for a job that would then fit: one behind the head would not,
+    # and evicting the warm group the head is about to reuse costs the head a cold start
+    # (one H200, 32 jobs one at a time: a fresh group for every job)
+    behind = behind_head(job, cluster)
+    evict = [group for group, _ in cluster.idle] if fits_now(job, behind, request, settings) else []
     reason = f"waiting for memory that running groups hold (or for a free GPU): {busy}"
     head = head_before(job, cluster)
     if head is not None and fits_now(job, cluster, request, settings):  # but for the hold

@@ -6,8 +6,9 @@ import pytest
 from jobs.admit_plan import Cluster, Job, Place, Wait, join_budgets, plan_admission, plan_joins
 from jobs.head_hold import HeadHold
 from jobs.prefix_cache import PrefixHint
+from jobs.schemas import GroupSpec
 from jobs.settings import Settings
-from tests.jobs.test_admit_plan import GIB, busy_single_group, cpu, generate, gpu, job
+from tests.jobs.test_admit_plan import GIB, MODEL, busy_single_group, cpu, generate, gpu, job
 
 SETTINGS = Settings(redis_url=None)
 GPUS = [gpu("g0", 0), gpu("g1", 1), gpu("g2", 2)]
@@ -136,3 +137,24 @@ def test_the_head_is_not_held_back_by_its_own_hold():
     cluster = Cluster(GPUS, {"g2": {"b": GIB}}, [], head=held_for_head())
     place = plan_admission(HEAD, cluster, SETTINGS)
     assert isinstance(place, Place) and place.plan.nodes == ("g0", "g1")
+
+
+def test_a_later_job_leaves_the_heads_warm_group_alone():
+    """One GPU, its warm group idle, 31 single jobs queued (one at a time): a job behind the
+    head could not run even if the group made way (the head's hold), so it asks nothing of it;
+    the head reuses the group. Before, the first later job to try evicted it and every job
+    started a fresh group (32 cold starts on an H200)."""
+    one_gpu = [gpu("g0", 0)]
+    first = plan_admission(named(job(4096), "first"), Cluster(one_gpu, {}, []), SETTINGS)
+    assert isinstance(first, Place)
+    warm = GroupSpec.from_plan(
+        first.plan, group_id="warm1", job_id="first", model=MODEL, addresses=["127.0.0.1:1"]
+    )
+    idle = [(warm, first.bytes_per_node)]
+    held = {"g0": {"warm1": first.bytes_per_node}}
+    hold = HeadHold("head", {"g0": first.bytes_per_node})
+    wait = plan_admission(later(4096), Cluster(one_gpu, held, idle, head=hold), SETTINGS)
+    assert isinstance(wait, Wait) and wait.evict == []
+    head = named(job(4096), "head")
+    place = plan_admission(head, Cluster(one_gpu, held, idle, head=hold), SETTINGS)
+    assert isinstance(place, Place) and place.reuse == warm
