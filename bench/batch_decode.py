@@ -89,7 +89,8 @@ def git_commit() -> str:
     from cli.bench_machine import source_revision
 
     revision = source_revision() or {"commit": "unknown", "dirty": False}
-    return revision["commit"][:7] + ("+dirty" if revision["dirty"] else "")
+    commit = revision["commit"]
+    return (commit[:7] if len(commit) == 40 else commit) + ("+dirty" if revision["dirty"] else "")
 
 
 def parse_args() -> argparse.Namespace:

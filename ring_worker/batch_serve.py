@@ -19,6 +19,7 @@ adds and drops the same rows at the same steps. An error other than a job's own 
 group: the reconciler retries every job of its batch (jobs/recovery.py)."""
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -29,10 +30,10 @@ from jobs.schemas import JobKind
 from jobs.tokenizer import ChatTokenizer
 from ring_worker.batch_decode import BatchDecoder, DecodeRequest, SequenceResult
 from ring_worker.decode_text import partial_result
-from ring_worker.engine import Cancelled, DecodeResult, Engine
+from ring_worker.engine import Cancelled, DecodeResult, Engine, ProgressFn
 from ring_worker.job_io import JobIO
 from ring_worker.job_prefix import memory_room
-from ring_worker.job_report import enter
+from ring_worker.job_report import PROGRESS_INTERVAL_S, ReportClock, enter, kicking, throttled
 from ring_worker.prefix_reuse import RankPrefixCache
 from ring_worker.rank_main import (
     Prefilled,
@@ -57,6 +58,16 @@ class _Member:
     job: Prefilled
     load_s: float
     text: DecodeText  # its stop strings, and (lead rank) its text streamed as it decodes
+    clock: ReportClock  # its decode progress's throttle
+
+
+def pace(rows: int) -> float:
+    """How much less often a member of a batch of `rows` streams its text and reports its
+    progress than a job decoding alone: sqrt(rows), so the batch's Redis writes and text
+    decodes grow as sqrt(rows), not rows. At the fixed cadence, a 32-row step on the CPU
+    (tiny model, through the service) spent 44 % of its time in them (py-spy: 32 % streaming
+    text, 12 % progress)."""
+    return max(1.0, math.sqrt(rows))
 
 
 class BatchServer:
@@ -113,12 +124,16 @@ class BatchServer:
             self.leave(io)
             return
         enter(io, lead, self.watchdog, JobState.DECODE, len(job.tokens))
-        text = DecodeText(io, self.tokenizer, job.spec.stop, lead)
-        self.decoder.add(self.request(io, job, text), job.prefill)
+        text, clock = DecodeText(io, self.tokenizer, job.spec.stop, lead), ReportClock()
+        report = kicking(self.watchdog, throttled(io, lead, clock))
+        self.decoder.add(self.request(io, job, text, report), job.prefill)
         keep_beside_batch(self.engine, self.prefix, io, job)
-        self.members[io.job_id] = _Member(io, without_kv(job), load_s, text)
+        self.members[io.job_id] = _Member(io, without_kv(job), load_s, text, clock)
+        self.pace_members()
 
-    def request(self, io: JobIO, job: Prefilled, text: DecodeText) -> DecodeRequest:
+    def request(
+        self, io: JobIO, job: Prefilled, text: DecodeText, report: ProgressFn
+    ) -> DecodeRequest:
         spec = job.spec
         return DecodeRequest(
             key=io.job_id,
@@ -126,14 +141,23 @@ class BatchServer:
             temperature=spec.temperature,
             stop_ids=frozenset(self.tokenizer.eos_token_ids),
             seed=spec.seed or 0,
-            on_progress=job.report,
+            on_progress=report,
             should_stop=io.should_stop,
             stop_when=text.stop_when,
         )
 
+    def pace_members(self) -> None:
+        factor = pace(len(self.members))
+        for member in self.members.values():
+            member.text.pace(factor)
+            member.clock.interval_s = PROGRESS_INTERVAL_S * factor
+
     def step(self) -> None:
-        for result in self.decoder.step():
+        results = self.decoder.step()
+        for result in results:
             self.finish(result)
+        if results:
+            self.pace_members()
 
     def finish(self, result: SequenceResult) -> None:
         """A sequence left the batch: its result (or its cancel, with what it generated)."""

@@ -51,16 +51,20 @@ def kicking(watchdog: Watchdog, report: ProgressFn) -> ProgressFn:
 
 
 @dataclass
-class _ReportClock:
+class ReportClock:
+    """A throttled report's state; `interval_s` may be changed while it reports (a decode
+    batch paces its members: ring_worker/batch_serve.py)."""
+
+    interval_s: float = PROGRESS_INTERVAL_S
     phase: str = ""
     phase_started_s: float = 0.0
     last_write_s: float = 0.0
 
 
-def throttled(io: JobIO, lead: bool):
-    """Progress callback for the engine: rank 0 writes at most every PROGRESS_INTERVAL_S, and
+def throttled(io: JobIO, lead: bool, clock: ReportClock | None = None):
+    """Progress callback for the engine: rank 0 writes at most every `clock.interval_s`, and
     always the first and last update of a phase."""
-    clock = _ReportClock()
+    clock = clock or ReportClock()
 
     def report(phase: str, done: int, total: int) -> None:
         if not lead:
@@ -68,7 +72,7 @@ def throttled(io: JobIO, lead: bool):
         now = time.perf_counter()
         if phase != clock.phase:
             clock.phase, clock.phase_started_s = phase, now
-        if done not in (1, total) and now - clock.last_write_s < PROGRESS_INTERVAL_S:
+        if done not in (1, total) and now - clock.last_write_s < clock.interval_s:
             return
         clock.last_write_s = now
         # the phase's first report has no rate yet (0: unknown), not done / 1e-9

@@ -59,6 +59,11 @@ class TextStream:
     def sent(self) -> str:
         return self._sent
 
+    def pace(self, factor: float) -> None:
+        """Publish `factor` times less often than alone (FLUSH_INTERVAL_S, FLUSH_TOKENS)."""
+        self._flush_interval_s = FLUSH_INTERVAL_S * factor
+        self._flush_tokens = max(1, round(FLUSH_TOKENS * factor))
+
     def push(self, token: int) -> None:
         """One generated token (end-of-sequence tokens are not text and are skipped)."""
         if self._stopped or token in self._tokenizer.eos_token_ids:
@@ -127,6 +132,10 @@ class DecodeText:
         self._stop = stop_check(tokenizer, stops)
         self._stream = TextStream(tokenizer, stops, io.text) if lead else None
         self._seen = 0
+
+    def pace(self, factor: float) -> None:
+        if self._stream is not None:
+            self._stream.pace(factor)
 
     def stop_when(self, tokens: list[int]) -> bool:
         self._push(tokens)

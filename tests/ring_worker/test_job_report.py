@@ -1,11 +1,13 @@
 """The lead rank's progress reports (ring_worker/job_report.py): rates from the phase's start."""
 
+import math
 import time
 from typing import Any, cast
 
 from jobs.schemas import Progress
+from ring_worker.batch_serve import pace
 from ring_worker.job_io import JobIO
-from ring_worker.job_report import throttled
+from ring_worker.job_report import ReportClock, throttled
 
 
 class Recorded:
@@ -34,3 +36,20 @@ def test_only_the_lead_rank_reports():
     io = Recorded()
     throttled(cast(JobIO, cast(Any, io)), lead=False)("prefill", 1, 1)
     assert io.reports == []
+
+
+def test_a_clock_paces_the_reports_between_a_phases_first_and_last():
+    io = Recorded()
+    clock = ReportClock(interval_s=3600.0)  # a batch member's, paced (ring_worker/batch_serve.py)
+    report = throttled(cast(JobIO, cast(Any, io)), lead=True, clock=clock)
+    for done in range(1, 11):
+        report("decode", done, 10)
+    assert [r.processed for r in io.reports] == [1, 10]
+    clock.interval_s = 0.0
+    report("decode", 5, 10)
+    assert io.reports[-1].processed == 5
+
+
+def test_pace_grows_as_the_square_root_of_the_batch():
+    assert pace(1) == 1.0 and pace(0) == 1.0
+    assert pace(4) == 2.0 and pace(32) == math.sqrt(32)

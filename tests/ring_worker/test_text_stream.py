@@ -157,3 +157,16 @@ def test_decode_text_publishes_the_last_token_it_was_not_asked_about(bytes_token
         assert not watch.stop_when(tokens[:n])
     watch.close(tokens)
     assert "".join(text_events(io)) == "all of it"
+
+
+def test_a_paced_stream_publishes_that_many_times_less_often(bytes_tokenizer):
+    """A member of a decode batch streams at sqrt(rows) times the single-job cadence
+    (ring_worker/batch_serve.py `pace`): FLUSH_TOKENS x 4 here, and the same text in the end."""
+    deltas: list[str] = []
+    stream = TextStream(bytes_tokenizer, (), deltas.append)
+    stream.pace(4)
+    stream._flush_interval_s = math.inf  # tokens alone decide, whatever the machine's speed
+    for token in bytes_tokenizer.encode("x" * 100, add_special_tokens=False):
+        stream.push(token)
+    stream.close()
+    assert deltas == ["x" * 64, "x" * 36]
