@@ -141,7 +141,11 @@ class RedisJobIO:
         try:
             self.store.transition(self.job_id, phase, group_id=self.group_id, progress=progress)
         except IllegalTransitionError:
-            if self.store.get(self.job_id).state != JobState.CANCELLED:
+            state = self.store.get(self.job_id).state
+            if state == phase:  # the client retried a write whose reply a Redis restart lost
+                log.info("job %s: already in %s", self.job_id, phase)
+                return
+            if state != JobState.CANCELLED:
                 raise
             log.info("job %s: cancelled, not entering %s", self.job_id, phase)
 

@@ -50,3 +50,16 @@ def test_a_ringq_run_rank_has_no_placement_and_no_prefix_store(tmp_path: Path) -
     assert io.prefix_conn() is None
     assert io.placement() is None
     assert memory_room(io) == 0
+
+
+def test_entering_the_phase_a_job_is_in_already_is_no_error(redis_conn: redis.Redis) -> None:
+    """redis-py sends a command again after a connection error: a transition whose reply a
+    Redis restart lost arrives twice (the crash-recovery test's job failed with "loading ->
+    loading is not allowed"). The second finds the job where it was going: nothing to do."""
+    store = JobStore(redis_conn, 60)
+    store.create("j1", SPEC)
+    store.transition("j1", JobState.ADMITTED, placement=placement(100, 60))
+    io = RedisJobIO(store, "j1", "g1")
+    io.enter(JobState.LOADING, 10)
+    io.enter(JobState.LOADING, 10)
+    assert store.get("j1").state == JobState.LOADING
