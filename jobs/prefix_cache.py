@@ -60,8 +60,9 @@ before the prefill (its prefix stays on disk), and a job that starts from the co
 When is a prompt kept: every job's prompt KV in memory; on disk unless reading the file back
 would be slower than recomputing the prompt (`worth_a_file`: a GPU's short prompts), or it adds
 less than KEEP_MIN_NEW_FRACTION of its prompt beyond the prefix it reused (the eight questions of
-one document keep the document once, not eight times; a conversation that grows by a few turns reuses the older entry and
-recomputes a little more). RINGQ_PREFIX_CACHE=off turns matching and keeping off.
+one document keep the document once, not eight times; a conversation that grows by a few turns
+reuses the older entry and recomputes a little more). RINGQ_PREFIX_CACHE=off turns matching and
+keeping off.
 """
 
 import hashlib
