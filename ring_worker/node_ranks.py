@@ -34,6 +34,11 @@ def forget_rank(conn: redis.Redis, node: str, group_id: str, rank: int) -> None:
     conn.hdel(keys.node_ranks(node), rank_field(group_id, rank))
 
 
+def recorded_rank(conn: redis.Redis, node: str, group_id: str, rank: int) -> NodeRank | None:
+    raw = conn.hget(keys.node_ranks(node), rank_field(group_id, rank))
+    return NodeRank.model_validate_json(raw) if raw else None
+
+
 def rank_field(group_id: str, rank: int) -> str:
     return f"{group_id}:{rank}"  # a node may run several ranks of one group
 

@@ -239,11 +239,13 @@ def file_pays_off(prefill: PrefillResult, prompt_tokens: int, held_tokens: int) 
     if prefill.prompt_tokens <= 0:
         return True
     recompute_s = prefill.seconds * prompt_tokens / prefill.prompt_tokens
-    file_bytes = held_tokens * sum(kv_bytes_per_token(c) for c in prefill.cache)
+    file_bytes = held_tokens * sum(cache_bytes_per_token(c) for c in prefill.cache)
     return worth_a_file(recompute_s, file_bytes)
 
 
-def kv_bytes_per_token(cache: Any) -> int:
+def cache_bytes_per_token(cache: Any) -> int:
+    """K and V bytes per position of one layer's KVCache on this rank (none for a layer it does
+    not hold: a pipeline stage's)."""
     keys = getattr(cache, "keys", None)
     if keys is None or keys.shape[2] == 0:
         return 0

@@ -13,11 +13,11 @@ import psutil
 import redis
 
 from cli.services import LocalCluster
-from jobs import keys
 from jobs.lifecycle import JobState
-from jobs.schemas import JobRecord, NodeRank, Placement
+from jobs.schemas import JobRecord, Placement
 from jobs.settings import Settings
 from jobs.store import JobStore
+from ring_worker.node_ranks import recorded_rank
 
 WAIT_S = 60
 LONG_DOCUMENT = "Ring attention splits a long prompt over several machines. " * 300  # ~3,000 tok
@@ -112,8 +112,8 @@ def rank_pid(group_id: str, rank: int, conn: redis.Redis | None = None, node: st
     (keys.node_ranks)."""
     pid = find_rank_pid(group_id, rank)
     if pid is None and conn is not None:
-        raw = conn.hget(keys.node_ranks(node), f"{group_id}:{rank}")
-        pid = NodeRank.model_validate_json(raw).pid if raw else None
+        record = recorded_rank(conn, node, group_id, rank)
+        pid = record.pid if record is not None else None
     if pid is None:
         raise AssertionError(f"no rank {rank} process for group {group_id}")
     return pid
