@@ -290,7 +290,7 @@ def bench_batch(model: Any, prompts: list[list[int]], args: argparse.Namespace) 
     if not args.skip_mlx_lm_batch:
         summary["paired_blocks_vs_batch_generator"] = paired_batch_blocks(model, prompts, args)
         print(json.dumps(summary["paired_blocks_vs_batch_generator"]), file=sys.stderr, flush=True)
-        mlx_lm = mlx_lm_batch(model, prompts, args)
+        mlx_lm = mlx_lm_batch(model, prompts, args.max_tokens, args.chunk_tokens)
         summary["mlx_lm_batch_generate"] = {k: v for k, v in mlx_lm.items() if k != "tokens"}
         summary["mlx_lm_same_tokens"] = sum(
             a == b for a, b in zip(one["tokens"], mlx_lm["tokens"], strict=True)
@@ -373,18 +373,28 @@ class _NoTextTokenizer:
         return ""
 
 
-def mlx_lm_batch(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def mlx_lm_batch(
+    model: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    chunk_tokens: int | None = None,
+    tokenizer: Any = None,
+) -> dict[str, Any]:
+    """mlx-lm's batch_generate, all prompts in one batch; `chunk_tokens` its prefill step (its
+    default if None); `tokenizer` its stop tokens (default: none, every sequence runs to
+    max_tokens)."""
     from mlx_lm.generate import batch_generate
 
+    chunk: dict[str, Any] = {} if chunk_tokens is None else {"prefill_step_size": chunk_tokens}
     started = time.perf_counter()
     response = batch_generate(
         model,
-        _NoTextTokenizer(),
+        tokenizer or _NoTextTokenizer(),
         prompts,
-        max_tokens=args.max_tokens,
-        prefill_step_size=args.chunk_tokens,
+        max_tokens=max_tokens,
         completion_batch_size=len(prompts),
         return_token_ids=True,
+        **chunk,
     )
     stats = response.stats
     return {

@@ -20,14 +20,21 @@ latency (submit -> finished) percentiles, and each job's batch_size. `decode_uni
 union of the jobs' [finished - decode_s, finished] (a batched job's decode_s counts from when
 it joined, through the prefills of the jobs joining after it). Starvation (issue 14: no job's
 submit -> finished over 1.5x what it takes one at a time behind the same queue order):
-`latency_ratio` is each job's batched latency / its one-at-a-time latency at the same queue
-index, with the max. One at a time, waiting jobs retry admission every RINGQ_ADMIT_RETRY_S, so
-they need not run in queue order: a job overtaken there has a ratio above 1 that batching did
-not cause (`latencies_s` of both runs are in the JSON). The JSON also records the commit, the
-machine and the load before and after. Writes bench/results/batch-service-<model>.json (or --out).
+`latency_ratio` is each job's batched latency / what it takes one at a time behind the same
+queue order: the one-at-a-time run's service times (prefill start -> finished), summed in queue
+order up to it. One at a time, waiting jobs retry admission every RINGQ_ADMIT_RETRY_S, so they
+need not run in queue order; the sum is what they take in order, and it leaves out the gaps
+between jobs, so it is the stricter reference (the measured `latencies_s` of both runs are in
+the JSON). With --mlx-lm, mlx-lm's `batch_generate` then runs the same prompt tokens (the
+service's, read from its store) in this process at its defaults: its wall time against the
+batched run's makespan is the end-to-end ratio. With --logs, each run's service and rank logs
+(a batch's time breakdown is one line of rank 0's log when it empties) are copied there. The
+JSON also records the commit, the machine and the load before and after. Writes
+bench/results/batch-service-<model>.json (or --out).
 """
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +44,7 @@ from pathlib import Path
 
 import click
 
+from bench.batch_decode import mlx_lm_batch
 from cli.bench_machine import machine_info
 from jobs.lifecycle import JobState
 from jobs.model_catalog import resolve_model
@@ -86,8 +94,15 @@ def wait_final(store: JobStore, job_id: str) -> JobRecord:
 
 
 def run(
-    model: str, docs: list[str], max_tokens: int, max_batch: int, port: int, prefix_cache: str
-) -> dict:
+    model: str,
+    docs: list[str],
+    max_tokens: int,
+    max_batch: int,
+    port: int,
+    prefix_cache: str,
+    logs: Path | None,
+) -> tuple[dict, list[list[int]]]:
+    """The run's summary, and the jobs' prompt tokens as the service tokenized them."""
     env = {
         "RINGQ_MAX_BATCH": str(max_batch),
         "RINGQ_NODE_MAX_GROUPS": "1",
@@ -101,7 +116,10 @@ def run(
         submitted = time.time()
         jobs = enqueue_jobs(store.conn, [(new_job_id(), spec(model, d, max_tokens)) for d in docs])
         records = [wait_final(store, job.id) for job in jobs]
-    return summary(records, submitted, max_batch)
+        prompts = [store.get_tokens(job.id) for job in jobs]
+        if logs is not None:
+            shutil.copytree(cluster.settings.home / "logs", logs, dirs_exist_ok=True)
+    return summary(records, submitted, max_batch), prompts
 
 
 def summary(records: list[JobRecord], submitted: float, max_batch: int) -> dict:
@@ -114,6 +132,8 @@ def summary(records: list[JobRecord], submitted: float, max_batch: int) -> dict:
     latencies = sorted(in_order)
     makespan = max(ends) - submitted
     prefill_s = sum(r.result.prefill_s for r in records if r.result)
+    service_s = [r.updated_at - (r.result.prefill_started_at or r.created_at) for r in records
+                 if r.result]  # fmt: skip
     return {
         "max_batch": max_batch,
         "jobs": len(records),
@@ -130,20 +150,37 @@ def summary(records: list[JobRecord], submitted: float, max_batch: int) -> dict:
             "max": latencies[-1],
         },
         "latencies_s": in_order,
+        "service_s": service_s,
         "batch_sizes": [r.result.batch_size for r in records if r.result],
         "texts": [r.result.text for r in records if r.result],
     }
 
 
-def latency_ratio(batched_s: list[float], alone_s: list[float]) -> dict:
-    """Each job's batched latency over its one-at-a-time latency, at the same queue index."""
-    per_job = [b / a for b, a in zip(batched_s, alone_s, strict=True)]
+def latency_ratio(batched_s: list[float], alone_service_s: list[float]) -> dict:
+    """Each job's batched latency over what it takes one at a time behind the same queue
+    order: the one-at-a-time service times summed in queue order up to it."""
+    behind = [sum(alone_service_s[: i + 1]) for i in range(len(alone_service_s))]
+    per_job = [b / a for b, a in zip(batched_s, behind, strict=True)]
     return {
+        "alone_in_queue_order_s": behind,
         "per_job": per_job,
         "max": max(per_job),
         "goal_max": STARVATION_GOAL,
         "goal_met": max(per_job) <= STARVATION_GOAL,
     }
+
+
+def mlx_lm_end_to_end(model: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """mlx-lm's batch_generate over the same prompt tokens, all in one batch, its prefill step
+    its default, stopping at the model's EOS as the service does; the model is loaded as a
+    rank loads it (ring_worker/models.py) and the load is not timed."""
+    from ring_worker.models import load_for_this_device
+
+    resolved = resolve_model(model, allowed_dirs=None)
+    loaded = load_for_this_device(resolved)
+    found = mlx_lm_batch(loaded, prompts, max_tokens, tokenizer=load_tokenizer(resolved))
+    found["generated_tokens"] = sum(len(t) for t in found.pop("tokens"))
+    return found
 
 
 def union_s(intervals: list[tuple[float, float]]) -> float:
@@ -167,6 +204,8 @@ def load_average() -> str:
 @click.option("--max-batch", default=8, show_default=True)
 @click.option("--port-base", default=36500, show_default=True)
 @click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True)
+@click.option("--mlx-lm", "with_mlx_lm", is_flag=True, help="Also time mlx-lm batch_generate.")
+@click.option("--logs", type=click.Path(path_type=Path), default=None)
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(
     model: str,
@@ -176,6 +215,8 @@ def main(
     max_batch: int,
     port_base: int,
     prefix_cache: str,
+    with_mlx_lm: bool,
+    logs: Path | None,
     out: Path | None,
 ) -> None:
     tokenizer = load_tokenizer(resolve_model(model, allowed_dirs=None))
@@ -190,9 +231,14 @@ def main(
         "uptime_before": load_average(),
     }
     report["prefix_cache"] = prefix_cache
-    report["batched"] = run(model, docs, max_tokens, max_batch, port_base, prefix_cache)
+    batch_logs, alone_logs = (None, None) if logs is None else (logs / "batched", logs / "alone")
+    report["batched"], prompts = run(
+        model, docs, max_tokens, max_batch, port_base, prefix_cache, batch_logs
+    )
     print(json.dumps({k: v for k, v in report["batched"].items() if k != "texts"}), flush=True)
-    report["one_at_a_time"] = run(model, docs, max_tokens, 1, port_base + 100, prefix_cache)
+    report["one_at_a_time"], _ = run(
+        model, docs, max_tokens, 1, port_base + 100, prefix_cache, alone_logs
+    )
     print(json.dumps({k: v for k, v in report["one_at_a_time"].items() if k != "texts"}))
     report["uptime_after"] = load_average()
     batched, alone = report["batched"], report["one_at_a_time"]
@@ -203,11 +249,17 @@ def main(
             a == b for a, b in zip(batched["texts"], alone["texts"], strict=True)
         ),
     }
-    report["latency_ratio"] = latency_ratio(batched["latencies_s"], alone["latencies_s"])
+    report["latency_ratio"] = latency_ratio(batched["latencies_s"], alone["service_s"])
+    if with_mlx_lm:
+        report["mlx_lm_batch_generate"] = mlx_lm_end_to_end(model, prompts, max_tokens)
+        report["ratio"]["end_to_end_vs_mlx_lm"] = (
+            report["mlx_lm_batch_generate"]["wall_s"] / batched["makespan_s"]
+        )
     name = model.replace("/", "_").replace(":", "_")
     path = out or RESULTS / f"batch-service-{name}.json"
     path.write_text(json.dumps(report, indent=1))
     shown = {k: report[k] for k in ("ratio", "latency_ratio", "uptime_after")}
+    shown["latency_ratio"] = {k: v for k, v in report["latency_ratio"].items() if k != "per_job"}
     print(json.dumps(shown, indent=1))
 
 

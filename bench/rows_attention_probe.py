@@ -4,6 +4,10 @@ rows of one length (the best case the mask defeats), side by side in one run.
 
     python -m bench.rows_attention_probe --out bench/results/h200-service/rows-attention.json
 
+First, in a fresh process, what a batch growing from 1 to 32 rows of the 8B shape (bf16, ~4K
+keys) pays on each row count's first call against its second: a new split count is a new
+template variant, compiled (NVRTC) on first use, and a batch meets every one as it grows.
+
 Cells: the 8B shape's attention (32 query heads, 8 KV heads, dim 128) at 32 rows x ~4K and
 2 rows x ~128K, and SmolLM2's (9 / 3, dim 64) at 8 rows x ~500; float32 and bfloat16. Times are
 the median of 5 blocks of 50 calls, each block evaluated once (one layer's attention per call).
@@ -36,11 +40,13 @@ def main() -> int:
         raise SystemExit("rows_attention_probe: needs MLX's CUDA backend")
     from cli.bench_machine import source_revision
 
+    first_calls = [first_call(rows) for rows in range(1, 33)]
     cells = [cell(*shape, dtype) for shape in CELLS for dtype in (mx.float32, mx.bfloat16)]
     report = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "source": source_revision(),
         "mlx": version("mlx"),
+        "first_calls": first_calls,
         "cells": cells,
     }
     text = json.dumps(report, indent=1)
@@ -91,6 +97,23 @@ def cell(rows, heads, kv_heads, dim, shortest, longest, dtype) -> dict[str, Any]
     }
     print(json.dumps(result), flush=True)
     return result
+
+
+def first_call(rows: int, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict[str, Any]:
+    """One call at `rows` rows, timed, then the same call again."""
+    lengths = mx.array([4096 + 7 * r for r in range(rows)], dtype=mx.int32)
+    q = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
+    keys = mx.random.normal((rows, kv_heads, 4352, dim)).astype(mx.bfloat16)
+    values = mx.random.normal((rows, kv_heads, 4352, dim)).astype(mx.bfloat16)
+    mx.eval(q, keys, values, lengths)
+    longest = int(lengths.max().item())
+    found: dict[str, Any] = {"rows": rows, "splits": split_count(rows * kv_heads, longest)}
+    for name in ("first_ms", "second_ms"):
+        start = time.perf_counter()
+        mx.eval(kernel_attention(q, keys, values, lengths, longest, dim**-0.5))
+        found[name] = (time.perf_counter() - start) * 1e3
+    print(json.dumps(found), flush=True)
+    return found
 
 
 def timed(call: Any, calls: int = 50, blocks: int = 5) -> float:

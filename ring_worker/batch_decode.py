@@ -68,6 +68,25 @@ class SequenceResult:
 
 
 @dataclass
+class StepTimes:
+    """Where one batch's host time went, in seconds on this rank (from its first row joining
+    to its last leaving; BatchServer logs it)."""
+
+    steps: int = 0
+    queue_s: float = 0.0  # building each step's graph, with its rows' cancel polls
+    wait_s: float = 0.0  # reading the previous step's vote: the device's compute, mostly
+    rows_s: float = 0.0  # per-row host work on the tokens: progress, stop strings, text
+    drop_s: float = 0.0  # freeing the rows that left
+
+    def line(self) -> str:
+        per_step = 1000 / max(self.steps, 1)
+        parts = [("graph", self.queue_s), ("wait", self.wait_s), ("rows", self.rows_s),
+                 ("drop", self.drop_s)]  # fmt: skip
+        shown = ", ".join(f"{name} {s:.2f}s ({s * per_step:.1f} ms/step)" for name, s in parts)
+        return f"{self.steps} steps: {shown}"
+
+
+@dataclass
 class _Sequence:
     request: DecodeRequest
     started_s: float
@@ -103,6 +122,7 @@ class BatchDecoder:
         self._rows: list[_Sequence] = []  # in cache row order
         self._steps = 0
         self._vote: mx.array | None = None  # (2, rows): pending tokens, stop votes (lazy)
+        self.times = StepTimes()
 
     @property
     def busy(self) -> bool:
@@ -139,16 +159,25 @@ class BatchDecoder:
         sequences that left."""
         if not self._rows:
             return []
+        times, began = self.times, time.perf_counter()
         upcoming = self._queue_step()
         assert self._vote is not None
+        queued = time.perf_counter()
         tokens, stops = cast(list[list[int]], self._vote.tolist())
+        read = time.perf_counter()
         leaving = [
             row
             for row, sequence in enumerate(self._rows)
             if self._take(sequence, tokens[row], stops[row])
         ]
         results = [self._result(self._rows[row], stops[row]) for row in leaving]
+        taken = time.perf_counter()
         self._vote = self._drop(leaving, upcoming)
+        times.steps += 1
+        times.queue_s += queued - began
+        times.wait_s += read - queued
+        times.rows_s += taken - read
+        times.drop_s += time.perf_counter() - taken
         return results
 
     # -- one step --------------------------------------------------------------------------

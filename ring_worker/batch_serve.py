@@ -20,6 +20,7 @@ group: the reconciler retries every job of its batch (jobs/recovery.py)."""
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -28,7 +29,7 @@ import mlx.core as mx
 from jobs.lifecycle import JobState
 from jobs.schemas import JobKind
 from jobs.tokenizer import ChatTokenizer
-from ring_worker.batch_decode import BatchDecoder, DecodeRequest, SequenceResult
+from ring_worker.batch_decode import BatchDecoder, DecodeRequest, SequenceResult, StepTimes
 from ring_worker.decode_text import partial_result
 from ring_worker.engine import Cancelled, DecodeResult, Engine, ProgressFn
 from ring_worker.job_io import JobIO
@@ -86,6 +87,7 @@ class BatchServer:
         # reservation grows by each joining job's KV, not by max_batch rows (32 on CUDA)
         self.decoder = BatchDecoder(engine)
         self.members: dict[str, _Member] = {}
+        self.joins = JoinTimes()
 
     def run(self, first: JobIO, load_s: float, next_job: NextJob) -> None:
         """Serve `first`, every job that joins while the group decodes, and the warm group's
@@ -106,6 +108,14 @@ class BatchServer:
 
     def start(self, io: JobIO, load_s: float) -> None:
         """Prefill the job alone; a generate job then joins the batch at the next step."""
+        began = time.perf_counter()
+        try:
+            self.join(io, load_s)
+        finally:
+            self.joins.count += 1
+            self.joins.total_s += time.perf_counter() - began
+
+    def join(self, io: JobIO, load_s: float) -> None:
         lead, group = self.ctx.lead, self.ctx.group
         if lead:
             io.batch_started(group)
@@ -116,7 +126,9 @@ class BatchServer:
                 )
                 self.leave(io)
                 return
+            prefill_began = time.perf_counter()
             job = prefill_job(self.engine, self.ctx, io, self.watchdog, self.prefix)
+            self.joins.prefill_s += time.perf_counter() - prefill_began
         except Cancelled as exc:  # every rank stops this job's prefill together
             log.info("job %s rank %d: cancelled, %s", io.job_id, self.ctx.rank, exc)
             if lead:
@@ -158,6 +170,10 @@ class BatchServer:
             self.finish(result)
         if results:
             self.pace_members()
+        if not self.decoder.busy:  # the batch is over: where its time went
+            log.info("group %s rank %d: batch of %s; %s", self.ctx.group.group_id,
+                     self.ctx.rank, self.joins.line(), self.decoder.times.line())  # fmt: skip
+            self.decoder.times, self.joins = StepTimes(), JoinTimes()
 
     def finish(self, result: SequenceResult) -> None:
         """A sequence left the batch: its result (or its cancel, with what it generated)."""
@@ -189,6 +205,14 @@ class BatchServer:
         it (the others are skipped by all)."""
         if len(self.members) >= self.max_batch:
             return []  # full: the dispatcher hands over nothing more (same count on every rank)
+        began = time.perf_counter()
+        try:
+            return self.agreed_joins(last)
+        finally:
+            self.joins.handoff_s += time.perf_counter() - began
+
+    def agreed_joins(self, last: JobIO) -> list[JobIO]:
+        """The hand-off itself: every rank takes rank 0's count, then votes on each job."""
         ctx = self.ctx
         joined = last.joined(ctx.group, ctx.rank, lambda count: self.engine.gather_ints(count)[0])
         ready = []
@@ -203,6 +227,23 @@ class BatchServer:
                      ctx.rank, io.job_id)  # fmt: skip
             self.leave(io)
         return ready
+
+
+@dataclass
+class JoinTimes:
+    """One batch's jobs joining, in seconds on this rank: all of `start` (prefill and the rest:
+    its records, the copy into its row, keeping its prompt's KV) and the hand-off between steps
+    (`take_joined`: a Redis pop, a collective and a vote per job)."""
+
+    count: int = 0
+    total_s: float = 0.0
+    prefill_s: float = 0.0
+    handoff_s: float = 0.0
+
+    def line(self) -> str:
+        rest = self.total_s - self.prefill_s
+        return (f"{self.count} jobs: prefill {self.prefill_s:.2f}s, joining {rest:.2f}s, "
+                f"hand-off {self.handoff_s:.2f}s")  # fmt: skip
 
 
 def without_kv(job: Prefilled) -> Prefilled:

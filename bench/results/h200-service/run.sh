@@ -6,7 +6,8 @@
 #   bash bench/results/h200-service/run.sh pacing      # peak and speed, prefill paced or not
 #   bash bench/results/h200-service/run.sh decode      # one sequence vs mlx-lm; 32 rows vs BatchGenerator
 #   bash bench/results/h200-service/run.sh prefix      # a 128K document x 8 questions, reuse on/off
-#   bash bench/results/h200-service/run.sh batch       # 32 generate jobs, RINGQ_MAX_BATCH=32 vs 1
+#   bash bench/results/h200-service/run.sh batch       # 32 generate jobs, RINGQ_MAX_BATCH=32 vs 1, mlx-lm
+#   bash bench/results/h200-service/run.sh probe       # the decode kernels: first calls, speed
 #   bash bench/results/h200-service/run.sh rows        # mixed-length decode kernels; 32 rows vs BatchGenerator
 #   bash bench/results/h200-service/run.sh resume      # a ~128K prefill killed late: resumed vs restarted
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
@@ -61,10 +62,14 @@ PY
         --modes ${PREFIX_MODES:-both} --out "$out/prefix-reuse-service-h200${PREFIX_MODES:+-$PREFIX_MODES}.json"
       tar czf "$out/logs-prefix.tgz" -C /tmp/logs prefix
       ;;
-    batch)
-      timeout 400 python3 -m bench.batch_service --model $model --jobs 32 --doc-tokens 4096 \
-        --max-tokens 256 --max-batch 32 --prefix-cache ${PREFIX_CACHE:-on} \
-        --out "$out/batch-service-h200-prefix-${PREFIX_CACHE:-on}.json"
+    batch)  # defaults (prefix cache on); mlx-lm batch_generate on the same prompts after
+      timeout ${BATCH_TIMEOUT:-540} python3 -m bench.batch_service --model $model --jobs 32 \
+        --doc-tokens 4096 --max-tokens 256 --max-batch 32 --mlx-lm --logs /tmp/logs/batch \
+        --out "$out/batch-service-h200${BATCH_TAG:-}.json"
+      tar czf "$out/logs-batch${BATCH_TAG:-}.tgz" -C /tmp/logs batch
+      ;;
+    probe)
+      python3 -m bench.rows_attention_probe --out "$out/rows-attention-probe.json"
       ;;
     rows)
       python3 -m bench.rows_attention_probe --out "$out/rows-attention-probe.json"
