@@ -101,6 +101,11 @@ class Settings(BaseSettings):
         "(continuous batching; 1: one job at a time); unset: the backend's default "
         "(DEFAULT_MAX_BATCH: 8 on CPU and Metal, 32 on CUDA).",
     )
+    batch_profile_dir: Path | None = Field(
+        default=None,
+        description="Diagnostics: rank 0 of a batching group profiles each batch (cProfile, "
+        "from its first job joining to its last leaving) and writes the top functions there.",
+    )
     checkpoint_tokens: int = Field(
         default=2048,
         ge=0,

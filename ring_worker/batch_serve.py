@@ -18,8 +18,11 @@ Every rank runs this loop in the same order on the same agreed words and votes, 
 adds and drops the same rows at the same steps. An error other than a job's own cancel ends the
 group: the reconciler retries every job of its batch (jobs/recovery.py)."""
 
+import cProfile
+import io as text_io
 import logging
 import math
+import pstats
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -88,6 +91,7 @@ class BatchServer:
         self.decoder = BatchDecoder(engine)
         self.members: dict[str, _Member] = {}
         self.joins = JoinTimes()
+        self.profile: cProfile.Profile | None = None
 
     def run(self, first: JobIO, load_s: float, next_job: NextJob) -> None:
         """Serve `first`, every job that joins while the group decodes, and the warm group's
@@ -108,6 +112,9 @@ class BatchServer:
 
     def start(self, io: JobIO, load_s: float) -> None:
         """Prefill the job alone; a generate job then joins the batch at the next step."""
+        if self.profile is None and self.ctx.lead and self.ctx.settings.batch_profile_dir:
+            self.profile = cProfile.Profile()
+            self.profile.enable()
         began = time.perf_counter()
         try:
             self.join(io, load_s)
@@ -174,6 +181,23 @@ class BatchServer:
             log.info("group %s rank %d: batch of %s; %s", self.ctx.group.group_id,
                      self.ctx.rank, self.joins.line(), self.decoder.times.line())  # fmt: skip
             self.decoder.times, self.joins = StepTimes(), JoinTimes()
+            self.write_profile()
+
+    def write_profile(self) -> None:
+        """RINGQ_BATCH_PROFILE_DIR: the batch's 40 costliest functions (cumulative time)."""
+        profile, folder = self.profile, self.ctx.settings.batch_profile_dir
+        if profile is None or folder is None:
+            return
+        profile.disable()
+        self.profile = None
+        found = text_io.StringIO()
+        pstats.Stats(profile, stream=found).sort_stats("cumulative").print_stats(40)
+        name = f"batch-{self.ctx.group.group_id}-{time.time_ns()}.txt"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(found.getvalue())
+        except OSError as exc:  # diagnostics: never the batch's end
+            log.warning("cannot write the batch profile %s: %s", folder / name, exc)
 
     def finish(self, result: SequenceResult) -> None:
         """A sequence left the batch: its result (or its cancel, with what it generated)."""

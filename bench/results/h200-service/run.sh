@@ -7,6 +7,7 @@
 #   bash bench/results/h200-service/run.sh decode      # one sequence vs mlx-lm; 32 rows vs BatchGenerator
 #   bash bench/results/h200-service/run.sh prefix      # a 128K document x 8 questions, reuse on/off
 #   bash bench/results/h200-service/run.sh batch       # 32 generate jobs, RINGQ_MAX_BATCH=32 vs 1, mlx-lm
+#   bash bench/results/h200-service/run.sh batch-profile  # the same, rank 0 under cProfile and py-spy
 #   bash bench/results/h200-service/run.sh probe       # the decode kernels: first calls, speed
 #   bash bench/results/h200-service/run.sh rows        # mixed-length decode kernels; 32 rows vs BatchGenerator
 #   bash bench/results/h200-service/run.sh resume      # a ~128K prefill killed late: resumed vs restarted
@@ -67,6 +68,18 @@ PY
         --doc-tokens 4096 --max-tokens 256 --max-batch 32 --mlx-lm --logs /tmp/logs/batch \
         --out "$out/batch-service-h200${BATCH_TAG:-}.json"
       tar czf "$out/logs-batch${BATCH_TAG:-}.tgz" -C /tmp/logs batch
+      ;;
+    batch-profile)  # the batch run, rank 0 profiled: cProfile per batch, py-spy of its first 90 s
+      export RINGQ_BATCH_PROFILE_DIR=/tmp/logs/batch/profile
+      mkdir -p $RINGQ_BATCH_PROFILE_DIR
+      whl=$(ls .device/p2/py_spy*.whl 2>/dev/null | head -1)
+      [ -n "$whl" ] && python3 -m zipfile -e "$whl" /tmp/pyspy && chmod +x /tmp/pyspy/*/scripts/py-spy
+      (for i in $(seq 120); do pid=$(pgrep -f ring_worker.rank_main | head -1); [ -n "$pid" ] && break; sleep 1; done
+       /tmp/pyspy/*/scripts/py-spy record --native --format raw -r 50 -d 90 -p $pid \
+         -o $RINGQ_BATCH_PROFILE_DIR/spy.raw > $RINGQ_BATCH_PROFILE_DIR/spy.log 2>&1) &
+      BATCH_TAG=${BATCH_TAG:--profiled} bash "$0" batch
+      wait
+      tar czf "$out/logs-batch-profile.tgz" -C /tmp/logs batch
       ;;
     probe)
       python3 -m bench.rows_attention_probe --out "$out/rows-attention-probe.json"
