@@ -37,6 +37,7 @@ from ring_worker.pipeline import PipelineEngine
 from ring_worker.rows_attention import install_rows_attention
 
 CLEAR_CACHE_STEPS = 256
+WARM_UP_LENGTHS = (8, 16, 24)  # warm_up's rows: three lengths, so its steps mix them
 LogitsHook = Callable[[list[str], mx.array], None]  # (row keys, (rows, vocab) float32 logits)
 
 
@@ -260,6 +261,19 @@ class BatchDecoder:
         reservation's batch share is given back as its last job leaves: jobs/warm_groups.py)."""
         self.cache = BatchCache(len(self.engine.model.layers), self._slots)
         mx.clear_cache()
+
+
+def warm_up(engine: Engine) -> None:
+    """Run what a batch's steps run, once: rows of three lengths join, decode together and
+    leave at different steps. On an H200 a fresh process compiled its kernels (NVRTC: gathers,
+    scatters, fused elementwise, the mixed-length attention; 1-4 s each) inside its first
+    batch's steps: py-spy of a 32-job batch put 54 % of rank 0's samples in NVRTC. MLX keeps
+    what it compiles on disk (its PTX cache), so a later group process reads it back."""
+    decoder = BatchDecoder(engine)
+    for row, length in enumerate(WARM_UP_LENGTHS):
+        request = DecodeRequest(key=str(row), max_tokens=row + 2)
+        decoder.add(request, engine.prefill([0] * length, length))
+    decoder.run()
 
 
 def sample_rows(sequences: list[_Sequence], logits: mx.array) -> mx.array:

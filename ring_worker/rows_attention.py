@@ -39,6 +39,7 @@ PARTIAL_SOURCE = """
     constexpr int DPL = D / 32;
     const int HKV = keys_shape[1];
     const int C = keys_shape[2];
+    const int NSPLIT = splits[0];
     const int split = blockIdx.x % NSPLIT;
     const int bh = blockIdx.x / NSPLIT;
     const int kvh = bh % HKV;
@@ -132,6 +133,7 @@ COMBINE_SOURCE = """
     const float NEG_INF = -__int_as_float(0x7f800000);
     const long long bh = blockIdx.x;
     const int d = threadIdx.x;
+    const int NSPLIT = splits[0];
     float M = NEG_INF;
     for (int s = 0; s < NSPLIT; ++s) {
         M = fmaxf(M, part_max[bh * NSPLIT + s]);
@@ -158,7 +160,7 @@ def kernels_available() -> bool:
 def _partial_kernel():
     return mx.fast.cuda_kernel(
         name="ringq_rows_partial",
-        input_names=["queries", "keys", "values", "lengths", "scale"],
+        input_names=["queries", "keys", "values", "lengths", "scale", "splits"],
         output_names=["part_acc", "part_max", "part_sum"],
         source=PARTIAL_SOURCE,
     )
@@ -168,7 +170,7 @@ def _partial_kernel():
 def _combine_kernel():
     return mx.fast.cuda_kernel(
         name="ringq_rows_combine",
-        input_names=["part_acc", "part_max", "part_sum"],
+        input_names=["part_acc", "part_max", "part_sum", "splits"],
         output_names=["out"],
         source=COMBINE_SOURCE,
     )
@@ -179,9 +181,16 @@ def _scale_array(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
+@cache
+def _splits_array(splits: int) -> mx.array:
+    return mx.array([splits], dtype=mx.int32)
+
+
 def split_count(blocks: int, longest: int) -> int:
-    """Key splits per (row, KV head): a power of two (each is a compiled variant), enough to
-    reach TARGET_BLOCKS blocks, none shorter than MIN_SPLIT_KEYS keys."""
+    """Key splits per (row, KV head): a power of two, enough to reach TARGET_BLOCKS blocks, none
+    shorter than MIN_SPLIT_KEYS keys. The kernels read it from an input, not a template
+    argument: each template variant is an NVRTC compile of 3.4-4.4 s on first use on an H200
+    (bench.rows_attention_probe `first_calls`), and a batch growing to 32 rows met four."""
     splits = 1
     while blocks * splits < TARGET_BLOCKS and longest // (2 * splits) >= MIN_SPLIT_KEYS:
         splits *= 2
@@ -204,16 +213,16 @@ def kernel_attention(
     splits = split_count(rows * kv_heads, longest)
     parts = rows * heads * splits
     acc, top, total = _partial_kernel()(
-        inputs=[queries, keys, values, lengths, _scale_array(scale)],
-        template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads), ("NSPLIT", splits)],
+        inputs=[queries, keys, values, lengths, _scale_array(scale), _splits_array(splits)],
+        template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads)],
         grid=(rows * kv_heads * splits * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(parts * dim,), (parts,), (parts,)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     return _combine_kernel()(
-        inputs=[acc, top, total],
-        template=[("T", queries.dtype), ("D", dim), ("NSPLIT", splits)],
+        inputs=[acc, top, total, _splits_array(splits)],
+        template=[("T", queries.dtype), ("D", dim)],
         grid=(rows * heads * dim, 1, 1),
         threadgroup=(dim, 1, 1),
         output_shapes=[(rows, heads, 1, dim)],

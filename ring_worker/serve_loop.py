@@ -18,6 +18,7 @@ from jobs.schemas import GroupSpec
 from jobs.settings import Settings, max_batch_for
 from jobs.tokenizer import ChatTokenizer, load_tokenizer
 from ring_worker.batch_decode import batch_decode_supported
+from ring_worker.batch_decode import warm_up as warm_up_batch
 from ring_worker.batch_serve import BatchServer
 from ring_worker.decode_text import partial_result
 from ring_worker.devices import cap_device_memory
@@ -136,14 +137,17 @@ def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
 
 def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> None:
     """On GPUs, run the kernels the group's jobs will need once while loading: a prefill of two
-    chunks (the first chunk's shapes and one with a past) and two decode steps, on token 0. The
-    first job then starts with compiled kernels, graphs and NCCL set up (cold vs warm in
+    chunks (the first chunk's shapes and one with a past) and two decode steps, on token 0, and
+    in a group that batches a short batch (ring_worker/batch_decode.py `warm_up`). The first
+    job then starts with compiled kernels, graphs and NCCL set up (cold vs warm in
     bench/results/h200-service/). CPU kernels need no warm-up."""
     if not ctx.settings.warm_up or mx.default_device().type != mx.gpu:
         return
     started = time.perf_counter()
     prefill = engine.prefill([0] * (2 * chunk_tokens), chunk_tokens)
     engine.decode(prefill, 2)
+    if batch_limit(ctx, engine) > 1:
+        warm_up_batch(engine)
     mx.clear_cache()
     log.info(
         "job %s rank %d: warmed up (%d-token chunks) in %.1fs",
