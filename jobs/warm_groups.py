@@ -267,15 +267,27 @@ class WarmGroups:
         keys_ += [keys.node_reserved(n) for n in nodes]
         self._leave(keys=keys_, args=[group.group_id, job_id])
 
-    def joined(self, group: GroupSpec, rank: int, agree: Callable[[int], int]) -> list[str]:
+    def joined(
+        self,
+        group: GroupSpec,
+        rank: int,
+        agree: Callable[[int], int],
+        admit: Callable[[list[str]], int] | None = None,
+    ) -> list[str]:
         """Between decode steps, every rank: the jobs handed to the group since, the same on
-        every rank. Rank 0 takes what its list holds; `agree` (a collective: rank 0's count to
-        every rank) tells the others how many words to take from theirs (already pushed there,
-        in the same order, by the same script)."""
+        every rank. Rank 0 takes what its list holds, or with `admit` as many of them (in
+        order) as it says; the rest wait there, for a later step or the group's next job.
+        `agree` (a collective: rank 0's count to every rank) tells the others how many words
+        to take from theirs (already pushed there, in the same order, by the same script)."""
         own = next_key(group.group_id, rank)
         words: list[bytes | str] = []
         if rank == 0:
-            popped_now = self.conn.lpop(own, JOIN_TAKE_MAX) or []
+            take = JOIN_TAKE_MAX
+            if admit is not None:
+                waiting = [_text(w) for w in self.conn.lrange(own, 0, JOIN_TAKE_MAX - 1)]
+                take = admit(waiting) if waiting else 0
+            # only the dispatcher adds to the list, at its tail: these are the ones peeked
+            popped_now = (self.conn.lpop(own, take) if take else None) or []
             words = list(popped_now) if isinstance(popped_now, list) else [popped_now]
         count = agree(len(words))
         while len(words) < count:

@@ -133,6 +133,10 @@ class BatchDecoder:
     def members(self) -> list[str]:
         return [s.request.key for s in self._rows]
 
+    def remaining(self) -> dict[str, int]:
+        """Each row's tokens still to decode, at most (a stop may end it sooner)."""
+        return {s.request.key: s.request.max_tokens - len(s.tokens) for s in self._rows}
+
     def add(self, request: DecodeRequest, prefill: PrefillResult) -> None:
         """Join at the next step (call between steps, on every rank in the same order). The
         prefill's KV is copied into the batch now and its first token sampled from its logits;

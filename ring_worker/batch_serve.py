@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
+from jobs.errors import JobNotFoundError
 from jobs.lifecycle import JobState
 from jobs.schemas import JobKind
 from jobs.tokenizer import ChatTokenizer
@@ -38,6 +39,7 @@ from ring_worker.engine import Cancelled, DecodeResult, Engine, ProgressFn
 from ring_worker.job_io import JobIO
 from ring_worker.job_prefix import memory_room
 from ring_worker.job_report import PROGRESS_INTERVAL_S, ReportClock, enter, kicking, throttled
+from ring_worker.join_budget import JoinBudget, Waiting
 from ring_worker.prefix_reuse import RankPrefixCache
 from ring_worker.rank_main import (
     Prefilled,
@@ -92,6 +94,8 @@ class BatchServer:
         self.members: dict[str, _Member] = {}
         self.joins = JoinTimes()
         self.profile: cProfile.Profile | None = None
+        self.budget = JoinBudget(ctx.settings.max_slowdown)  # rank 0 decides the joins
+        self.waiting: dict[str, Waiting] = {}  # rank 0: jobs handed over, not started yet
 
     def run(self, first: JobIO, load_s: float, next_job: NextJob) -> None:
         """Serve `first`, every job that joins while the group decodes, and the warm group's
@@ -135,7 +139,10 @@ class BatchServer:
                 return
             prefill_began = time.perf_counter()
             job = prefill_job(self.engine, self.ctx, io, self.watchdog, self.prefix)
-            self.joins.prefill_s += time.perf_counter() - prefill_began
+            prefill_s = time.perf_counter() - prefill_began
+            self.joins.prefill_s += prefill_s
+            if lead:
+                self.arrived(io, job, prefill_s)
         except Cancelled as exc:  # every rank stops this job's prefill together
             log.info("job %s rank %d: cancelled, %s", io.job_id, self.ctx.rank, exc)
             if lead:
@@ -171,8 +178,17 @@ class BatchServer:
             member.text.pace(factor)
             member.clock.interval_s = PROGRESS_INTERVAL_S * factor
 
+    def arrived(self, io: JobIO, job: Prefilled, prefill_s: float) -> None:
+        """Rank 0: the job's prefill, for its deadline and the group's prefill rate."""
+        tokens = len(job.tokens) - (job.start.tokens if job.start is not None else 0)
+        self.budget.times.saw_prefill(tokens, prefill_s)
+        self.budget.arrive(self.waiting_job(io), prefill_s)
+        self.waiting.pop(io.job_id, None)
+
     def step(self) -> None:
+        rows, began = len(self.members), time.perf_counter()
         results = self.decoder.step()
+        self.budget.times.saw_step(rows, time.perf_counter() - began)
         for result in results:
             self.finish(result)
         if results:
@@ -221,6 +237,8 @@ class BatchServer:
         log.info("job %s rank %d: %s", io.job_id, self.ctx.rank, what)
 
     def leave(self, io: JobIO) -> None:
+        self.budget.left(io.job_id)
+        self.waiting.pop(io.job_id, None)
         if self.ctx.lead:
             io.batch_ended(self.ctx.group)
 
@@ -238,7 +256,8 @@ class BatchServer:
     def agreed_joins(self, last: JobIO) -> list[JobIO]:
         """The hand-off itself: every rank takes rank 0's count, then votes on each job."""
         ctx = self.ctx
-        joined = last.joined(ctx.group, ctx.rank, lambda count: self.engine.gather_ints(count)[0])
+        agree = lambda count: self.engine.gather_ints(count)[0]  # noqa: E731
+        joined = last.joined(ctx.group, ctx.rank, agree, self.admit)
         ready = []
         for io in joined:
             self.watchdog.kick("joining")
@@ -251,6 +270,23 @@ class BatchServer:
                      ctx.rank, io.job_id)  # fmt: skip
             self.leave(io)
         return ready
+
+    def admit(self, handed: list[JobIO]) -> int:
+        """Rank 0: how many of the jobs waiting for the group (in order) join now
+        (ring_worker/join_budget.py), at most the batch's free rows."""
+        free = max(0, self.max_batch - len(self.members))
+        waiting = [self.waiting_job(io) for io in handed[:free]]
+        return self.budget.admit(time.time(), self.decoder.remaining(), waiting)
+
+    def waiting_job(self, io: JobIO) -> Waiting:
+        """What the budget needs of a job handed to the group (read once)."""
+        if io.job_id not in self.waiting:
+            try:
+                spec, tokens, submitted = io.spec(), len(io.tokens()), io.submitted_at()
+                self.waiting[io.job_id] = Waiting(io.job_id, submitted, tokens, spec.max_tokens)
+            except JobNotFoundError:  # gone: it takes no time (the vote skips it)
+                self.waiting[io.job_id] = Waiting(io.job_id, time.time(), 0, 0)
+        return self.waiting[io.job_id]
 
 
 @dataclass

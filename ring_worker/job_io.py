@@ -41,7 +41,14 @@ class JobIO(Protocol):
         self, group: GroupSpec, rank: int, kick: Callable[[], None]
     ) -> Optional["JobIO"]: ...
     def await_placement(self) -> bool: ...
-    def joined(self, group: GroupSpec, rank: int, agree: Callable[[int], int]) -> list["JobIO"]: ...
+    def joined(
+        self,
+        group: GroupSpec,
+        rank: int,
+        agree: Callable[[int], int],
+        admit: Callable[[list["JobIO"]], int] | None = None,
+    ) -> list["JobIO"]: ...
+    def submitted_at(self) -> float: ...
     def batch_started(self, group: GroupSpec) -> None: ...
     def batch_ended(self, group: GroupSpec) -> None: ...
     def enter(self, phase: JobState, total: int) -> None: ...
@@ -103,11 +110,26 @@ class RedisJobIO:
         job_id = warm.wait_for_job(group, rank, group.idle_s, kick=kick)
         return None if job_id is None else RedisJobIO(self.store, job_id, self.group_id)
 
-    def joined(self, group: GroupSpec, rank: int, agree: Callable[[int], int]) -> list["JobIO"]:
+    def joined(
+        self,
+        group: GroupSpec,
+        rank: int,
+        agree: Callable[[int], int],
+        admit: Callable[[list["JobIO"]], int] | None = None,
+    ) -> list["JobIO"]:
         """Between decode steps, every rank: the jobs handed to the busy group since (the same
-        on every rank; `agree` is a collective, jobs.warm_groups.WarmGroups.joined)."""
-        job_ids = WarmGroups(self.store.conn).joined(group, rank, agree)
-        return [RedisJobIO(self.store, job_id, self.group_id) for job_id in job_ids]
+        on every rank; `agree` is a collective; `admit`, on rank 0, how many of the waiting
+        ones to take now: jobs.warm_groups.WarmGroups.joined)."""
+
+        def admit_ids(job_ids: list[str]) -> int:
+            assert admit is not None
+            return admit([RedisJobIO(self.store, job_id, self.group_id) for job_id in job_ids])
+
+        found = WarmGroups(self.store.conn).joined(group, rank, agree, admit and admit_ids)
+        return [RedisJobIO(self.store, job_id, self.group_id) for job_id in found]
+
+    def submitted_at(self) -> float:
+        return self.store.get(self.job_id).created_at
 
     def batch_started(self, group: GroupSpec) -> None:
         """Rank 0: the job is in the group's batch (what a lost group's retry covers)."""
@@ -210,6 +232,7 @@ class FileJobIO:
         self._spec = JobSpec.model_validate(job["spec"])
         self._tokens = job["tokens"]
         self._chunk_tokens = int(job.get("chunk_tokens") or CPU_CHUNK_TOKENS)
+        self._submitted_at = time.time()  # `ringq run` reads its job as it starts it
         self.events_path = events_path
 
     def spec(self) -> JobSpec:
@@ -236,8 +259,17 @@ class FileJobIO:
     def await_placement(self) -> bool:
         return True
 
-    def joined(self, group: GroupSpec, rank: int, agree: Callable[[int], int]) -> list[JobIO]:
+    def joined(
+        self,
+        group: GroupSpec,
+        rank: int,
+        agree: Callable[[int], int],
+        admit: Callable[[list[JobIO]], int] | None = None,
+    ) -> list[JobIO]:
         return []
+
+    def submitted_at(self) -> float:
+        return self._submitted_at
 
     def batch_started(self, group: GroupSpec) -> None:
         pass

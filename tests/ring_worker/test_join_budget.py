@@ -1,0 +1,87 @@
+"""The join budget (ring_worker/join_budget.py): deadlines from a one-at-a-time clock in the
+order the group sees its jobs, and joins admitted only while every member keeps its deadline."""
+
+import math
+
+import pytest
+
+from ring_worker.join_budget import GroupTimes, JoinBudget, Waiting
+
+PREFILL_TOK_S = 1000.0  # every prompt below is 1,000 tokens: 1 s of prefill
+STEP_S = {1: 0.1, 2: 0.11, 3: 0.12, 4: 0.13}
+
+
+def budget(slowdown: float = 1.5) -> JoinBudget:
+    found = JoinBudget(slowdown)
+    found.times.saw_prefill(1000, 1000 / PREFILL_TOK_S)
+    for rows, seconds in STEP_S.items():
+        found.times.saw_step(rows, seconds)
+    return found
+
+
+def job(n: int, max_tokens: int = 10, submitted: float = 0.0) -> Waiting:
+    return Waiting(f"j{n}", submitted, 1000, max_tokens)
+
+
+def test_deadlines_follow_one_at_a_time_in_arrival_order():
+    """Each job alone takes 1 s of prefill + 10 x 0.1 s: 2 s. Submitted together, one at a
+    time they finish at 2, 4, 6 s; with slowdown 1.5 the deadlines are 3, 6, 9 s."""
+    found = budget()
+    for n in range(3):
+        found.arrive(job(n), prefill_s=1.0)
+    found.admit(0.0, {"j0": 10}, [])
+    assert [found.deadlines[f"j{n}"] for n in range(3)] == pytest.approx([3.0, 6.0, 9.0])
+
+
+def test_a_later_submission_starts_its_own_clock():
+    found = budget(slowdown=2.0)
+    found.arrive(job(0), prefill_s=1.0)
+    found.arrive(job(1, submitted=100.0), prefill_s=1.0)  # the group idled meanwhile
+    found.admit(100.0, {"j1": 10}, [])
+    assert found.deadlines["j1"] == pytest.approx(104.0)  # 100 + 2 x 2 s, not behind j0
+
+
+def test_joins_stop_where_a_member_would_miss_its_deadline():
+    """j0 (deadline 3 s) decodes at t = 1.2 with 8 tokens left: alone it ends at 2.0 s. One
+    joiner (1 s prefill, then 8 x 0.11 s) ends it at 3.08 s > 3: nobody joins. With more
+    slack (slowdown 2: deadline 4 s) j1 joins, and j2 would push j0 to 4.2 s: one joins."""
+    tight = budget()
+    tight.arrive(job(0), prefill_s=1.0)
+    assert tight.admit(1.2, {"j0": 8}, [job(1), job(2)]) == 0
+    loose = budget(slowdown=2.0)
+    loose.arrive(job(0), prefill_s=1.0)
+    assert loose.admit(1.2, {"j0": 8}, [job(1), job(2)]) == 1
+
+
+def test_a_member_already_late_does_not_hold_joins_back():
+    found = budget()
+    found.arrive(job(0), prefill_s=1.0)
+    found.admit(0.0, {"j0": 10}, [])  # fixes j0's deadline: 3 s
+    assert found.admit(10.0, {"j0": 5}, [job(1)]) == 1  # j0 is late whatever happens
+
+
+def test_an_empty_batch_always_takes_the_first_job():
+    assert budget().admit(0.0, {}, [job(0), job(1)]) == 1
+    assert budget().admit(0.0, {}, []) == 0
+
+
+def test_no_bound_admits_everyone():
+    found = budget(slowdown=math.inf)
+    found.arrive(job(0), prefill_s=1.0)
+    assert found.admit(1.2, {"j0": 8}, [job(n) for n in range(1, 4)]) == 3
+
+
+def test_step_times_extrapolate_from_the_nearest_row_count_seen():
+    times = GroupTimes()
+    assert times.step(4) == 0.0 and times.prefill(100) == 0.0
+    times.saw_step(1, 0.1)
+    assert times.step(11) == pytest.approx(0.2)  # a tenth of a one-row step per added row
+    times.saw_step(8, 0.17)
+    assert times.step(9) == pytest.approx(0.18)  # from 8 rows, the nearest seen
+    times.saw_step(1, 0.2)  # averaged, not replaced
+    assert 0.1 < times.step(1) < 0.2
+
+
+def test_slowdown_below_one_is_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        JoinBudget(0.9)
