@@ -96,6 +96,8 @@ class BatchServer:
         self.profile: cProfile.Profile | None = None
         self.budget = JoinBudget(ctx.settings.max_slowdown)  # rank 0 decides the joins
         self.waiting: dict[str, Waiting] = {}  # rank 0: jobs handed over, not started yet
+        self.just_joined = False
+        self.held: set[str] = set()  # rank 0: jobs told they wait to join
 
     def run(self, first: JobIO, load_s: float, next_job: NextJob) -> None:
         """Serve `first`, every job that joins while the group decodes, and the warm group's
@@ -153,6 +155,7 @@ class BatchServer:
         text, clock = DecodeText(io, self.tokenizer, job.spec.stop, lead), ReportClock()
         report = kicking(self.watchdog, throttled(io, lead, clock))
         self.decoder.add(self.request(io, job, text, report), job.prefill)
+        self.just_joined = True
         keep_beside_batch(self.engine, self.prefix, io, job)
         self.members[io.job_id] = _Member(io, without_kv(job), load_s, text, clock)
         self.pace_members()
@@ -188,7 +191,9 @@ class BatchServer:
     def step(self) -> None:
         rows, began = len(self.members), time.perf_counter()
         results = self.decoder.step()
-        self.budget.times.saw_step(rows, time.perf_counter() - began)
+        if not self.just_joined:  # a step after a join reads the join's own first token
+            self.budget.times.saw_step(rows, time.perf_counter() - began)
+        self.just_joined = False
         for result in results:
             self.finish(result)
         if results:
@@ -239,6 +244,7 @@ class BatchServer:
     def leave(self, io: JobIO) -> None:
         self.budget.left(io.job_id)
         self.waiting.pop(io.job_id, None)
+        self.held.discard(io.job_id)
         if self.ctx.lead:
             io.batch_ended(self.ctx.group)
 
@@ -276,7 +282,13 @@ class BatchServer:
         (ring_worker/join_budget.py), at most the batch's free rows."""
         free = max(0, self.max_batch - len(self.members))
         waiting = [self.waiting_job(io) for io in handed[:free]]
-        return self.budget.admit(time.time(), self.decoder.remaining(), waiting)
+        admitted = self.budget.admit(time.time(), self.decoder.remaining(), waiting)
+        if admitted < len(waiting) and (held := waiting[admitted].job_id) not in self.held:
+            self.held.add(held)  # said once per job: it is asked again every step
+            log.info("group %s: job %s waits to join: a member would finish past %.1fx its "
+                     "time one at a time (RINGQ_MAX_SLOWDOWN)", self.ctx.group.group_id, held,
+                     self.budget.slowdown)  # fmt: skip
+        return admitted
 
     def waiting_job(self, io: JobIO) -> Waiting:
         """What the budget needs of a job handed to the group (read once)."""

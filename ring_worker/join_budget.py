@@ -10,21 +10,23 @@ alone_k, and its deadline is submitted_k + slowdown x (V_k - submitted_k).
 A join stalls every member for the joiner's prefill, and every later step is slower by a row.
 The jobs waiting for the group are admitted in order while each member's projected finish (now,
 plus the admitted prefills, plus its remaining tokens at the step time of the new row count) stays
-within its deadline; the admitted ones count as members for the next. A member already projected
-past its deadline without the join does not hold it back (waiting would not save it). A waiting
-job's own deadline never keeps it out: joining later only finishes it later.
+within its deadline; the admitted ones count as members for the next. A member already late holds
+every join back until it leaves: each join would make it later still. A waiting job's own
+deadline never keeps it out: joining later only finishes it later.
 
 The times are the group's own: step seconds per row count (exponential averages; a row count
-not seen yet is extrapolated from the nearest one seen, at PRIOR_ROW_SHARE of its step per added
-row, as measured: 85 -> 143 ms from 1 to 8 rows on the CPU, 5.5 -> 20.6 ms from 1 to 32 on an
-H200), and prompt tokens per second of its prefills.
+not seen yet is on the line through the two seen nearest to it; with one seen, an added row
+costs PRIOR_ROW_SHARE of a one-row step, more than measured so far: a second row +44 % and each
+next +23 % on the CPU (SmolLM2, 51 -> 73 -> 120 ms at 1, 2, 7 rows), +3 % each on an H200
+(5.5 -> 20.6 ms from 1 to 32 rows)), and prompt tokens per second of its prefills.
 """
 
 import math
 from dataclasses import dataclass, field
 
 AVERAGE_WEIGHT = 0.2  # of each new sample in an exponential average
-PRIOR_ROW_SHARE = 0.1  # an added row's cost, as a share of a one-row step (see above)
+SETTLED_STEPS = 8  # step samples before deadlines are fixed (until then, recomputed each time)
+PRIOR_ROW_SHARE = 0.25  # an added row's cost, as a share of a one-row step (see above)
 
 
 @dataclass(frozen=True)
@@ -43,21 +45,34 @@ class GroupTimes:
 
     step_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds per step
     prefill_tok_s: float | None = None
+    steps_seen: int = 0
+
+    @property
+    def settled(self) -> bool:
+        return self.steps_seen >= SETTLED_STEPS
 
     def saw_step(self, rows: int, seconds: float) -> None:
         self.step_s[rows] = _averaged(self.step_s.get(rows), seconds)
+        self.steps_seen += 1
 
     def saw_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.prefill_tok_s = _averaged(self.prefill_tok_s, tokens / seconds)
 
     def step(self, rows: int) -> float:
-        """Seconds per step at `rows` rows (0.0 before any step was seen)."""
+        """Seconds per step at `rows` rows (0.0 before any step was seen): as seen, else on
+        the line through the two row counts seen nearest to it, else (one seen) at
+        PRIOR_ROW_SHARE of a one-row step per row."""
         if rows in self.step_s or not self.step_s:
             return self.step_s.get(rows, 0.0)
-        seen = min(self.step_s, key=lambda n: (abs(n - rows), n))
-        per_row = self.step_s[seen] * PRIOR_ROW_SHARE / (1 + PRIOR_ROW_SHARE * (seen - 1))
-        return max(0.0, self.step_s[seen] + (rows - seen) * per_row)
+        near = sorted(self.step_s, key=lambda n: (abs(n - rows), n))[:2]
+        seen = near[0]
+        if len(near) == 2:
+            other = near[1]
+            per_row = (self.step_s[other] - self.step_s[seen]) / (other - seen)
+        else:
+            per_row = self.step_s[seen] * PRIOR_ROW_SHARE / (1 + PRIOR_ROW_SHARE * (seen - 1))
+        return max(self.step_s[seen], self.step_s[seen] + (rows - seen) * max(per_row, 0.0))
 
     def prefill(self, tokens: int) -> float:
         """Seconds to prefill `tokens` (0.0 before any prefill was seen)."""
@@ -85,10 +100,16 @@ class JoinBudget:
 
     def arrive(self, job: Waiting, prefill_s: float | None = None) -> None:
         """The group sees the job for the first time (`prefill_s`: its measured prefill, where
-        it has run). Its deadline is fixed at the next `admit`, once a step has been timed."""
+        it has run). Its deadline is set at the next `admit`, and fixed once the group's step
+        time has settled (SETTLED_STEPS): a deadline from a first guess stays wrong."""
         if job.job_id not in self._seen:
             self._seen.add(job.job_id)
             self._arrived.append((job, prefill_s))
+        elif prefill_s is not None:  # seen waiting: its measured prefill replaces the guess
+            self._arrived = [
+                (seen, prefill_s if seen.job_id == job.job_id else measured)
+                for seen, measured in self._arrived
+            ]
 
     def left(self, job_id: str) -> None:
         self.deadlines.pop(job_id, None)
@@ -106,37 +127,32 @@ class JoinBudget:
         stall_s, admitted = 0.0, 0
         for job in waiting:
             job_stall_s = stall_s + self.times.prefill(job.prompt_tokens)
-            if not self._keeps_deadlines(now, members, stall_s, job_stall_s):
+            if not self._keeps_deadlines(now, members, job_stall_s):
                 break
             members[job.job_id] = job.max_tokens
             stall_s, admitted = job_stall_s, admitted + 1
         return admitted
 
     def _fix_deadlines(self) -> None:
-        """Deadlines of the jobs seen since the last admit, in the order the group saw them."""
+        """Deadlines of the jobs seen since they were last fixed, in the order the group saw
+        them: recomputed from the current times until those have settled, then fixed."""
+        virtual_end = self._virtual_end
         for job, prefill_s in self._arrived:
-            if job.job_id not in self._seen:
-                continue  # it left before its deadline was needed
             if prefill_s is None:
                 prefill_s = self.times.prefill(job.prompt_tokens)
             alone_s = prefill_s + job.max_tokens * self.times.step(1)
-            self._virtual_end = max(self._virtual_end, job.submitted) + alone_s
-            self.deadlines[job.job_id] = job.submitted + self.slowdown * (
-                self._virtual_end - job.submitted
-            )
-        self._arrived = []
+            virtual_end = max(virtual_end, job.submitted) + alone_s
+            if job.job_id in self._seen:  # not left yet
+                allowed_s = self.slowdown * (virtual_end - job.submitted)
+                self.deadlines[job.job_id] = job.submitted + allowed_s
+        if self.times.settled:
+            self._virtual_end, self._arrived = virtual_end, []
 
-    def _keeps_deadlines(
-        self, now: float, members: dict[str, int], stall_s: float, join_stall_s: float
-    ) -> bool:
+    def _keeps_deadlines(self, now: float, members: dict[str, int], join_stall_s: float) -> bool:
         """Whether one more join (its prefill ending `join_stall_s` from now) keeps every
-        member that would meet its deadline without it (`stall_s`) within it."""
-        rows = len(members)
-        before_s, after_s = self.times.step(rows), self.times.step(rows + 1)
-        for job_id, tokens in members.items():
-            deadline = self.deadlines.get(job_id, math.inf)
-            with_join = now + join_stall_s + tokens * after_s
-            without = now + stall_s + tokens * before_s
-            if with_join > deadline and without <= deadline:
-                return False
-        return True
+        member within its deadline."""
+        step_s = self.times.step(len(members) + 1)
+        return all(
+            now + join_stall_s + tokens * step_s <= self.deadlines.get(job_id, math.inf)
+            for job_id, tokens in members.items()
+        )

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from ring_worker.join_budget import GroupTimes, JoinBudget, Waiting
+from ring_worker.join_budget import SETTLED_STEPS, GroupTimes, JoinBudget, Waiting
 
 PREFILL_TOK_S = 1000.0  # every prompt below is 1,000 tokens: 1 s of prefill
 STEP_S = {1: 0.1, 2: 0.11, 3: 0.12, 4: 0.13}
@@ -53,11 +53,11 @@ def test_joins_stop_where_a_member_would_miss_its_deadline():
     assert loose.admit(1.2, {"j0": 8}, [job(1), job(2)]) == 1
 
 
-def test_a_member_already_late_does_not_hold_joins_back():
+def test_a_member_already_late_holds_joins_back():
     found = budget()
     found.arrive(job(0), prefill_s=1.0)
-    found.admit(0.0, {"j0": 10}, [])  # fixes j0's deadline: 3 s
-    assert found.admit(10.0, {"j0": 5}, [job(1)]) == 1  # j0 is late whatever happens
+    found.admit(0.0, {"j0": 10}, [])  # j0's deadline: 3 s
+    assert found.admit(10.0, {"j0": 5}, [job(1)]) == 0  # a join would make it later still
 
 
 def test_an_empty_batch_always_takes_the_first_job():
@@ -71,13 +71,14 @@ def test_no_bound_admits_everyone():
     assert found.admit(1.2, {"j0": 8}, [job(n) for n in range(1, 4)]) == 3
 
 
-def test_step_times_extrapolate_from_the_nearest_row_count_seen():
+def test_step_times_extrapolate_from_the_row_counts_seen():
     times = GroupTimes()
     assert times.step(4) == 0.0 and times.prefill(100) == 0.0
     times.saw_step(1, 0.1)
-    assert times.step(11) == pytest.approx(0.2)  # a tenth of a one-row step per added row
+    assert times.step(5) == pytest.approx(0.2)  # a quarter of a one-row step per added row
     times.saw_step(8, 0.17)
-    assert times.step(9) == pytest.approx(0.18)  # from 8 rows, the nearest seen
+    assert times.step(9) == pytest.approx(0.18)  # on the line through 1 and 8 rows
+    assert times.step(4) == pytest.approx(0.13)
     times.saw_step(1, 0.2)  # averaged, not replaced
     assert 0.1 < times.step(1) < 0.2
 
@@ -85,3 +86,30 @@ def test_step_times_extrapolate_from_the_nearest_row_count_seen():
 def test_slowdown_below_one_is_refused():
     with pytest.raises(ValueError, match="at least 1"):
         JoinBudget(0.9)
+
+
+def test_deadlines_follow_the_step_time_until_it_settles():
+    """A first step time is a guess (the step after a join reads that join's own token):
+    deadlines move with the group's times until SETTLED_STEPS samples, then stay fixed."""
+    found = JoinBudget(1.5)
+    found.times.saw_prefill(1000, 1.0)
+    found.arrive(job(0), prefill_s=1.0)
+    found.times.saw_step(1, 0.01)
+    found.admit(1.0, {"j0": 10}, [])
+    early = found.deadlines["j0"]
+    for _ in range(SETTLED_STEPS):
+        found.times.saw_step(1, 0.1)
+    found.admit(2.0, {"j0": 5}, [])
+    settled = found.deadlines["j0"]
+    assert early < settled  # 1.5 x (1 + 10 x 0.01) moved up towards 1.5 x (1 + 10 x 0.1)
+    found.times.saw_step(1, 1.0)
+    found.admit(3.0, {"j0": 4}, [])
+    assert found.deadlines["j0"] == settled
+
+
+def test_a_measured_prefill_replaces_the_guess():
+    found = budget()
+    found.arrive(job(0))  # seen waiting: 1 s guessed
+    found.arrive(job(0), prefill_s=3.0)  # then prefilled, in 3 s
+    found.admit(3.0, {"j0": 10}, [])
+    assert found.deadlines["j0"] == pytest.approx(1.5 * (3.0 + 10 * 0.1))
