@@ -173,12 +173,15 @@ def latency_ratio(batched_s: list[float], alone_service_s: list[float]) -> dict:
 def mlx_lm_end_to_end(model: str, prompts: list[list[int]], max_tokens: int) -> dict:
     """mlx-lm's batch_generate over the same prompt tokens, all in one batch, its prefill step
     its default, stopping at the model's EOS as the service does; the model is loaded as a
-    rank loads it (ring_worker/models.py) and the load is not timed."""
+    rank loads it (ring_worker/models.py), and neither the load nor a warm-up (two of the
+    prompts, 2 tokens: on a GPU its first call compiles kernels) is timed, as the service's
+    warm group is warm."""
     from ring_worker.models import load_for_this_device
 
     resolved = resolve_model(model, allowed_dirs=None)
-    loaded = load_for_this_device(resolved)
-    found = mlx_lm_batch(loaded, prompts, max_tokens, tokenizer=load_tokenizer(resolved))
+    loaded, tokenizer = load_for_this_device(resolved), load_tokenizer(resolved)
+    mlx_lm_batch(loaded, prompts[:2], 2, tokenizer=tokenizer)  # its kernels compiled, untimed
+    found = mlx_lm_batch(loaded, prompts, max_tokens, tokenizer=tokenizer)
     found["generated_tokens"] = sum(len(t) for t in found.pop("tokens"))
     return found
 

@@ -101,12 +101,13 @@ class Settings(BaseSettings):
         "(continuous batching; 1: one job at a time); unset: the backend's default "
         "(DEFAULT_MAX_BATCH: 8 on CPU and Metal, 32 on CUDA).",
     )
-    max_slowdown: float = Field(
-        default=1.5,
+    max_slowdown: float | None = Field(
+        default=None,
         ge=1.0,
-        description="Continuous batching starves no job: a job may join a running batch only "
-        "if every member still finishes within this many times what it would take one at a "
-        "time behind the same queue order (ring_worker/join_budget.py; inf: no bound).",
+        description="Bound how much continuous batching may delay a job: a job joins a running "
+        "batch only if every member still finishes within this many times what it would take "
+        "one at a time behind the same queue order (ring_worker/join_budget.py; e.g. 1.5). "
+        "Unset: no bound, every job joins at once (the most throughput).",
     )
     batch_profile_dir: Path | None = Field(
         default=None,

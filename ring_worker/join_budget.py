@@ -88,8 +88,9 @@ def _averaged(average: float | None, sample: float) -> float:
 class JoinBudget:
     """Deadlines of the group's jobs, and which waiting jobs may join now."""
 
-    def __init__(self, slowdown: float):
-        if slowdown < 1:
+    def __init__(self, slowdown: float | None):
+        """`slowdown` None: no bound (every waiting job is admitted)."""
+        if slowdown is not None and slowdown < 1:
             raise ValueError(f"slowdown must be at least 1, got {slowdown}")
         self.slowdown = slowdown
         self.times = GroupTimes()
@@ -118,6 +119,8 @@ class JoinBudget:
     def admit(self, now: float, remaining: dict[str, int], waiting: list[Waiting]) -> int:
         """How many of `waiting` (in order) may join now. `remaining`: each member's tokens
         still to decode, at most."""
+        if self.slowdown is None:
+            return len(waiting)
         if not remaining:
             return min(1, len(waiting))
         for job in waiting:
@@ -142,7 +145,7 @@ class JoinBudget:
                 prefill_s = self.times.prefill(job.prompt_tokens)
             alone_s = prefill_s + job.max_tokens * self.times.step(1)
             virtual_end = max(virtual_end, job.submitted) + alone_s
-            if job.job_id in self._seen:  # not left yet
+            if job.job_id in self._seen and self.slowdown is not None:  # not left yet
                 allowed_s = self.slowdown * (virtual_end - job.submitted)
                 self.deadlines[job.job_id] = job.submitted + allowed_s
         if self.times.settled:

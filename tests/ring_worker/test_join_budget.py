@@ -11,7 +11,7 @@ PREFILL_TOK_S = 1000.0  # every prompt below is 1,000 tokens: 1 s of prefill
 STEP_S = {1: 0.1, 2: 0.11, 3: 0.12, 4: 0.13}
 
 
-def budget(slowdown: float = 1.5) -> JoinBudget:
+def budget(slowdown: float | None = 1.5) -> JoinBudget:
     found = JoinBudget(slowdown)
     found.times.saw_prefill(1000, 1000 / PREFILL_TOK_S)
     for rows, seconds in STEP_S.items():
@@ -65,8 +65,9 @@ def test_an_empty_batch_always_takes_the_first_job():
     assert budget().admit(0.0, {}, []) == 0
 
 
-def test_no_bound_admits_everyone():
-    found = budget(slowdown=math.inf)
+@pytest.mark.parametrize("slowdown", [None, math.inf])
+def test_no_bound_admits_everyone(slowdown):
+    found = budget(slowdown=slowdown)
     found.arrive(job(0), prefill_s=1.0)
     assert found.admit(1.2, {"j0": 8}, [job(n) for n in range(1, 4)]) == 3
 
