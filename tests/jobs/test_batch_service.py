@@ -140,6 +140,22 @@ def test_a_rank_killed_mid_batch_retries_every_job_of_the_batch_once(batching, t
         assert completions_of_finished(batching, job_id) == 1
 
 
+def test_with_the_slowdown_bound_held_jobs_still_run_and_answer_as_alone(
+    one_at_a_time, tiny_llama_dir
+):
+    """RINGQ_MAX_SLOWDOWN=1 admits a join only if no member finishes later than it would one
+    at a time: jobs that wait to join run later (in the same group, at a later step or once
+    the batch empties) and still answer exactly as alone."""
+    env = {"RINGQ_MAX_BATCH": "4", "RINGQ_MAX_SLOWDOWN": "1"}
+    with cluster_with("bslow", env, 1, PORT_BASE + 300) as bounded:
+        store = JobStore(connect(bounded.url))
+        records = run_together(store, [generate(tiny_llama_dir, d) for d in DOCUMENTS])
+        logs = "".join(p.read_text() for p in (bounded.settings.home / "logs").glob("*rank0.log"))
+    assert [r.result.text for r in records] == [one_at_a_time[d] for d in DOCUMENTS]
+    assert len({r.placement.group_id for r in records}) == 1
+    assert "waits to join" in logs
+
+
 def test_a_ring_of_two_with_replicated_kv_batches_too(one_at_a_time, tiny_llama_dir):
     env = {"RINGQ_MAX_BATCH": "4", "RINGQ_KV_LAYOUT": "replicated"}
     with cluster_with("bring", env, 2, PORT_BASE + 200) as ring:

@@ -78,6 +78,25 @@ def test_every_rank_takes_the_same_words(redis_conn):
     assert warm.joined(group, 0, lambda n: n) == []
 
 
+def test_jobs_rank_0_does_not_admit_wait_in_order_for_a_later_step(redis_conn):
+    """With `admit` (the join budget), rank 0 takes only as many as it says, in order, and
+    every rank the same; the rest stay in the lists for the next step (or the next job)."""
+    warm, group = WarmGroups(redis_conn), two_ranks()
+    busy(warm, group)
+    for job in ("a", "b", "c"):
+        assert warm.join(group, job, max_batch=8) == "joined"
+    offered: list[list[str]] = []
+
+    def admit_one(waiting: list[str]) -> int:
+        offered.append(waiting)
+        return 1
+
+    taken = {rank: warm.joined(group, rank, lambda n: 1, admit_one) for rank in (0, 1)}
+    assert taken == {0: ["a"], 1: ["a"]} and offered == [["a", "b", "c"]]
+    assert warm.joined(group, 0, lambda n: 0, lambda waiting: 0) == []  # nobody admitted
+    assert [warm.joined(group, rank, lambda n: 2) for rank in (0, 1)] == [["b", "c"]] * 2
+
+
 def test_joining_grows_the_reservation_to_the_batch_buffer_or_is_refused(redis_conn):
     """The reservation grows to the buffer after the join: every row as long as the longest,
     rows doubling (tests/jobs/test_batch_buffer_accounting.py checks it against the real
