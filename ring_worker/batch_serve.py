@@ -143,7 +143,7 @@ class BatchServer:
             job = prefill_job(self.engine, self.ctx, io, self.watchdog, self.prefix)
             prefill_s = time.perf_counter() - prefill_began
             self.joins.prefill_s += prefill_s
-            if lead:
+            if lead and self.budget.slowdown is not None:
                 self.arrived(io, job, prefill_s)
         except Cancelled as exc:  # every rank stops this job's prefill together
             log.info("job %s rank %d: cancelled, %s", io.job_id, self.ctx.rank, exc)
@@ -185,8 +185,10 @@ class BatchServer:
         """Rank 0: the job's prefill, for its deadline and the group's prefill rate."""
         tokens = len(job.tokens) - (job.start.tokens if job.start is not None else 0)
         self.budget.times.saw_prefill(tokens, prefill_s)
-        self.budget.arrive(self.waiting_job(io), prefill_s)
-        self.waiting.pop(io.job_id, None)
+        waiting = self.waiting.pop(io.job_id, None) or Waiting(
+            io.job_id, io.submitted_at(), len(job.tokens), job.spec.max_tokens
+        )
+        self.budget.arrive(waiting, prefill_s)
 
     def step(self) -> None:
         rows, began = len(self.members), time.perf_counter()
@@ -262,8 +264,10 @@ class BatchServer:
     def agreed_joins(self, last: JobIO) -> list[JobIO]:
         """The hand-off itself: every rank takes rank 0's count, then votes on each job."""
         ctx = self.ctx
-        agree = lambda count: self.engine.gather_ints(count)[0]  # noqa: E731
-        joined = last.joined(ctx.group, ctx.rank, agree, self.admit)
+        admit = self.admit if self.budget.slowdown is not None else None  # unbounded: all
+        joined = last.joined(
+            ctx.group, ctx.rank, lambda count: self.engine.gather_ints(count)[0], admit
+        )
         ready = []
         for io in joined:
             self.watchdog.kick("joining")
