@@ -10,6 +10,7 @@
 #   bash bench/results/h200-service/run.sh batch-profile  # the same, rank 0 under cProfile and py-spy
 #   bash bench/results/h200-service/run.sh probe       # the decode kernels: first calls, speed
 #   bash bench/results/h200-service/run.sh rows        # mixed-length decode kernels; 32 rows vs BatchGenerator
+#   bash bench/results/h200-service/run.sh step-cost   # a decode step's host/device split by rows, per MLX setting
 #   bash bench/results/h200-service/run.sh resume      # a ~128K prefill killed late: resumed vs restarted
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
@@ -89,6 +90,14 @@ PY
       python3 -m bench.batch_decode --model $model --part paired-batch --sequences 32 \
         --prompt-tokens 4096 --max-tokens 256 --chunk-tokens 4096 \
         --out "$out/batch-decode-h200-paired-rows-kernel.json"
+      ;;
+    step-cost)  # STEP_ENVS: space-separated MLX settings to compare, "-" for the defaults
+      for env in ${STEP_ENVS:--}; do
+        tag=${env//[^A-Za-z0-9]/_}
+        [ "$env" = - ] && env= && tag=defaults
+        env $env timeout ${STEP_TIMEOUT:-150} python3 -m bench.step_cost_probe --model $model \
+          --rows ${STEP_ROWS:-1,2,8,32} --out "$out/step-cost-$tag.json" 2>&1 | tail -20
+      done
       ;;
     resume)
       timeout 580 python3 -m bench.resume --model $model --repeat ${RESUME_REPEAT:-8500} \

@@ -1,0 +1,154 @@
+"""Where a decode step's time goes, by batch size: host time building the graph (Python), host
+time dispatching it (MLX's eval: each primitive's eval_gpu, cuBLAS, CUDA graph commits), and the
+wait for the device, side by side in one process.
+
+    python -m bench.step_cost_probe --model random:llama-3.1-8b --out step-cost.json
+
+Run it once per MLX setting to compare (each is read once per process), for instance
+`MLX_USE_CUDA_GRAPHS=0` or `MLX_MAX_OPS_PER_BUFFER=100`.
+
+1. Decode steps (ring_worker/batch_decode.py's BatchDecoder) over `--rows` rows: rows of
+   different lengths (the mixed-length path) and, for comparison, rows of one length (mlx-lm's
+   own path). Each cell runs `--warm` steps untimed, then `--steps` timed, every step evaluated
+   before the next is built (so the three parts add up; the service overlaps build with the
+   previous step's compute).
+2. One linear layer's matmul, M rows x 4096 -> 4096 in bf16, 224 times in one graph (the 8B
+   shape's matmuls per step): host time to dispatch it, per matmul, for M = 1 (MLX's gemv) and
+   M > 1 (cuBLASLt).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+from importlib.metadata import version
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+MLX_SETTINGS = ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--rows", default="1,2,8,32")
+    parser.add_argument("--prompt-tokens", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--warm", type=int, default=8)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    import mlx.core as mx
+
+    from bench.batch_decode import make_prompts
+    from jobs.model_catalog import resolve_model
+    from jobs.tokenizer import load_tokenizer
+    from ring_worker.devices import cap_device_memory
+    from ring_worker.engine import Engine
+    from ring_worker.models import load_for_this_device
+
+    cap_device_memory()
+    path = resolve_model(args.model, allowed_dirs=None)
+    model = load_for_this_device(path)
+    document = load_tokenizer(path).encode(files("cli").joinpath("demo/document.md").read_text())
+    rows = [int(r) for r in args.rows.split(",")]
+    engine = Engine(model)
+    mixed = make_prompts(document, max(rows), args.prompt_tokens, equal=False)
+    loaded = time.perf_counter()
+    prefills = [engine.prefill(p, args.prompt_tokens) for p in mixed]
+    one_length = make_prompts(document, 1, args.prompt_tokens, equal=True)[0]
+    uniform = engine.prefill(one_length, args.prompt_tokens)
+    print(f"prefilled in {time.perf_counter() - loaded:.1f}s", flush=True)
+
+    report: dict[str, Any] = {
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "model": args.model,
+        "mlx": version("mlx"),
+        "settings": {k: os.environ.get(k) for k in MLX_SETTINGS},
+        "steps": [],
+        "matmul": [],
+    }
+    for count in rows:
+        for kind in ("mixed", "uniform"):
+            if kind == "uniform" and count == 1:
+                continue  # one row is uniform already
+            cell = prefills[:count] if kind == "mixed" else [uniform] * count
+            report["steps"].append({"rows": count, "kind": kind, **time_steps(engine, cell, args)})
+            print(json.dumps(report["steps"][-1]), flush=True)
+    for m in (1, 8, 32) if mx.cuda.is_available() else ():
+        report["matmul"].append(time_matmuls(m))
+        print(json.dumps(report["matmul"][-1]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    del mx
+    return 0
+
+
+def time_steps(engine: Any, prefills: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+    import mlx.core as mx
+
+    from ring_worker.batch_decode import BatchDecoder, DecodeRequest
+
+    decoder = BatchDecoder(engine, max_batch=len(prefills))
+    total = args.warm + args.steps + 2
+    for index, prefill in enumerate(prefills):
+        decoder.add(DecodeRequest(str(index), total), prefill)
+    mx.eval(decoder._vote)
+    parts: dict[str, list[float]] = {"build": [], "dispatch": [], "wait": []}
+    real_async_eval = mx.async_eval
+    for step in range(args.warm + args.steps):
+        mx.async_eval = lambda *_: None
+        began = time.perf_counter()
+        try:
+            vote = decoder._queue_step()
+        finally:
+            mx.async_eval = real_async_eval
+        built = time.perf_counter()
+        mx.async_eval(vote)
+        dispatched = time.perf_counter()
+        mx.eval(vote)
+        waited = time.perf_counter()
+        decoder._vote = vote
+        if step >= args.warm:
+            parts["build"].append(built - began)
+            parts["dispatch"].append(dispatched - built)
+            parts["wait"].append(waited - dispatched)
+    del decoder
+    mx.clear_cache()
+    cell = {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in parts.items()}
+    cell["step_ms"] = round(sum(cell.values()), 3)
+    cell["tok_s"] = round(len(prefills) * 1e3 / cell["step_ms"], 1)
+    return cell
+
+
+def time_matmuls(m: int, count: int = 224, dim: int = 4096) -> dict[str, Any]:
+    import mlx.core as mx
+
+    weights = [mx.random.normal((dim, dim)).astype(mx.bfloat16) for _ in range(4)]
+    x0 = mx.random.normal((m, 1, dim)).astype(mx.bfloat16)
+    mx.eval(weights, x0)
+    samples = []
+    for _ in range(6):
+        x = x0
+        began = time.perf_counter()
+        for i in range(count):
+            x = x @ weights[i % 4].T
+        built = time.perf_counter()
+        mx.async_eval(x)
+        dispatched = time.perf_counter()
+        mx.eval(x)
+        samples.append((built - began, dispatched - built, time.perf_counter() - dispatched))
+    build, dispatch, wait = (statistics.median(s[i] for s in samples[1:]) for i in range(3))
+    return {
+        "m": m,
+        "matmuls": count,
+        "build_us_each": round(1e6 * build / count, 2),
+        "dispatch_us_each": round(1e6 * dispatch / count, 2),
+        "wait_us_each": round(1e6 * wait / count, 2),
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
