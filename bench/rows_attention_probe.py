@@ -23,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ring_worker import rows_attention
 from ring_worker.rows_attention import kernel_attention, reference_attention, split_count
 
 CELLS = [  # rows, heads, kv_heads, dim, shortest, longest
@@ -42,12 +43,14 @@ def main() -> int:
 
     first_calls = [first_call(rows) for rows in range(1, 33)]
     cells = [cell(*shape, dtype) for shape in CELLS for dtype in (mx.float32, mx.bfloat16)]
+    sweep = [split_sweep(*shape) for shape in CELLS]
     report = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "source": source_revision(),
         "mlx": version("mlx"),
         "first_calls": first_calls,
         "cells": cells,
+        "split_sweep": sweep,
     }
     text = json.dumps(report, indent=1)
     print(text, flush=True)
@@ -97,6 +100,31 @@ def cell(rows, heads, kv_heads, dim, shortest, longest, dtype) -> dict[str, Any]
     }
     print(json.dumps(result), flush=True)
     return result
+
+
+def split_sweep(rows, heads, kv_heads, dim, shortest, longest) -> dict[str, Any]:
+    """The bf16 kernel's time per call by split policy (TARGET_BLOCKS, MIN_SPLIT_KEYS), the
+    module's own policy restored after."""
+    mx.random.seed(0)
+    capacity = (longest + 255) // 256 * 256
+    lengths = mx.linspace(shortest, longest, rows).astype(mx.int32)
+    q = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
+    keys = mx.random.normal((rows, kv_heads, capacity, dim)).astype(mx.bfloat16)
+    values = mx.random.normal((rows, kv_heads, capacity, dim)).astype(mx.bfloat16)
+    mx.eval(q, keys, values, lengths)
+    policy = rows_attention.TARGET_BLOCKS, rows_attention.MIN_SPLIT_KEYS
+    found: dict[str, Any] = {"rows": rows, "dim": dim, "longest": longest, "ms": {}}
+    try:
+        for target in (512, 1024, 2048, 4096):
+            for least in (64, 256):
+                rows_attention.TARGET_BLOCKS, rows_attention.MIN_SPLIT_KEYS = target, least
+                splits = split_count(rows * kv_heads, longest)
+                ms = timed(lambda: kernel_attention(q, keys, values, lengths, longest, dim**-0.5))
+                found["ms"][f"{target}/{least}"] = {"splits": splits, "ms": ms}
+    finally:
+        rows_attention.TARGET_BLOCKS, rows_attention.MIN_SPLIT_KEYS = policy
+    print(json.dumps(found), flush=True)
+    return found
 
 
 def first_call(rows: int, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict[str, Any]:
