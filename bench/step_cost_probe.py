@@ -37,6 +37,9 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--warm", type=int, default=8)
+    parser.add_argument(
+        "--rows-linear", action="store_true", help="then again with ring_worker/rows_linear.py"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -48,6 +51,7 @@ def main() -> int:
     from ring_worker.devices import cap_device_memory
     from ring_worker.engine import Engine
     from ring_worker.models import load_for_this_device
+    from ring_worker.rows_linear import install_rows_linear
 
     cap_device_memory()
     path = resolve_model(args.model, allowed_dirs=None)
@@ -70,16 +74,21 @@ def main() -> int:
         "steps": [],
         "matmul": [],
     }
-    for count in rows:
-        for kind in ("mixed", "uniform"):
-            if kind == "uniform" and count == 1:
-                continue  # one row is uniform already
-            cell = prefills[:count] if kind == "mixed" else [uniform] * count
-            report["steps"].append({"rows": count, "kind": kind, **time_steps(engine, cell, args)})
-            print(json.dumps(report["steps"][-1]), flush=True)
-    for m in (1, 8, 32) if mx.cuda.is_available() else ():
-        report["matmul"].append(time_matmuls(m))
-        print(json.dumps(report["matmul"][-1]), flush=True)
+    for linear in ("plain", "rows_linear") if args.rows_linear else ("plain",):
+        if linear == "rows_linear":
+            install_rows_linear(model, force=True)
+        for count in rows:
+            for kind in ("mixed", "uniform"):
+                if kind == "uniform" and count == 1:
+                    continue  # one row is uniform already
+                cell = prefills[:count] if kind == "mixed" else [uniform] * count
+                found = {"linear": linear, "rows": count, "kind": kind}
+                report["steps"].append({**found, **time_steps(engine, cell, args)})
+                print(json.dumps(report["steps"][-1]), flush=True)
+    for m in (1, 2, 8, 32) if mx.cuda.is_available() else ():
+        for how in ("matmul", "gather_mm"):
+            report["matmul"].append(time_matmuls(m, how))
+            print(json.dumps(report["matmul"][-1]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     del mx
@@ -123,18 +132,28 @@ def time_steps(engine: Any, prefills: list[Any], args: argparse.Namespace) -> di
     return cell
 
 
-def time_matmuls(m: int, count: int = 224, dim: int = 4096) -> dict[str, Any]:
+def time_matmuls(m: int, how: str, count: int = 224, dim: int = 4096) -> dict[str, Any]:
+    """`count` chained (m, 1, dim) x (dim, dim)^T products in one graph, by `how`: `x @ w.T`
+    (gemv at m = 1, cuBLAS above) or gather_mm with every row on the one weight."""
     import mlx.core as mx
 
-    weights = [mx.random.normal((dim, dim)).astype(mx.bfloat16) for _ in range(4)]
+    weights = [mx.random.normal((dim, dim)).astype(mx.bfloat16) * dim**-0.5 for _ in range(4)]
     x0 = mx.random.normal((m, 1, dim)).astype(mx.bfloat16)
-    mx.eval(weights, x0)
+    zeros = mx.zeros((m,), dtype=mx.uint32)
+    mx.eval(weights, x0, zeros)
+
+    def product(x: Any, w: Any) -> Any:
+        if how == "matmul":
+            return x @ w.T
+        return mx.gather_mm(x, w.T, rhs_indices=zeros, sorted_indices=True)
+
+    error = mx.abs(product(x0, weights[0]) - x0 @ weights[0].T).max().item()
     samples = []
     for _ in range(6):
         x = x0
         began = time.perf_counter()
         for i in range(count):
-            x = x @ weights[i % 4].T
+            x = product(x, weights[i % 4])
         built = time.perf_counter()
         mx.async_eval(x)
         dispatched = time.perf_counter()
@@ -143,7 +162,9 @@ def time_matmuls(m: int, count: int = 224, dim: int = 4096) -> dict[str, Any]:
     build, dispatch, wait = (statistics.median(s[i] for s in samples[1:]) for i in range(3))
     return {
         "m": m,
+        "how": how,
         "matmuls": count,
+        "max_abs_diff_vs_matmul": error,
         "build_us_each": round(1e6 * build / count, 2),
         "dispatch_us_each": round(1e6 * dispatch / count, 2),
         "wait_us_each": round(1e6 * wait / count, 2),

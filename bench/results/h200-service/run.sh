@@ -96,7 +96,7 @@ PY
         tag=${env//[^A-Za-z0-9]/_}
         [ "$env" = - ] && env= && tag=defaults
         env $env timeout ${STEP_TIMEOUT:-150} python3 -m bench.step_cost_probe --model $model \
-          --rows ${STEP_ROWS:-1,2,8,32} --out "$out/step-cost-$tag.json" 2>&1 | tail -20
+          --rows ${STEP_ROWS:-1,2,8,32} ${STEP_ARGS:-} --out "$out/step-cost-$tag.json" 2>&1 | tail -20
       done
       ;;
     resume)
