@@ -31,6 +31,7 @@ class Rows:
         self._offset: int | mx.array | None = None
         self._mask: mx.array | None = None
         self._visible: mx.array | None = None
+        self._index: mx.array | None = None
         self._uniform: bool | None = None  # cached: every layer asks, every step
 
     def __len__(self) -> int:
@@ -68,6 +69,12 @@ class Rows:
         if self._visible is None:
             self._visible = mx.array([n + 1 for n in self.lengths], dtype=mx.int32)
         return self._visible
+
+    def index(self) -> mx.array:
+        """0..rows - 1: the rows a step's scatter writes."""
+        if self._index is None or self._index.shape[0] != len(self):
+            self._index = mx.arange(len(self))
+        return self._index
 
     def changed(self) -> None:
         self._offset = self._mask = self._visible = self._uniform = None
@@ -117,7 +124,7 @@ class SlotCache:
             self.keys[:count, :, at:end] = keys
             self.values[:count, :, at:end] = values
         else:
-            index, positions = mx.arange(count), rows.offset
+            index, positions = rows.index(), rows.offset
             self.keys[index, :, positions] = keys[:, :, 0]
             self.values[index, :, positions] = values[:, :, 0]
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 MAX_ROWS = 64  # a decode batch's rows; prefill chunks are longer and stay with cuBLAS
+HALF_DTYPES = (mx.bfloat16, mx.float16)
 
 
 class RowsLinear(nn.Linear):
@@ -45,16 +46,15 @@ def _zeros(rows: int) -> mx.array:
 
 
 def install_rows_linear(model: nn.Module, force: bool = False) -> int:
-    """Make every plain `nn.Linear` of the model a RowsLinear (on CUDA, or anywhere with
-    `force`, which the tests use on the CPU). Returns how many layers it routes."""
+    """Make every plain `nn.Linear` of the model a RowsLinear: on CUDA, for 16-bit weights (what
+    the GPU ranks compute in, and what MLX's grouped GEMM is built for), or anywhere and for any
+    dtype with `force` (the tests, on the CPU). Returns how many layers are routed."""
     if not force and not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
         return 0
     routed = 0
     for _, module in model.named_modules():
         for name, child in module.children().items():
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and (force or child.weight.dtype in HALF_DTYPES):
                 setattr(module, name, RowsLinear(child))
-                routed += 1
-            elif isinstance(child, RowsLinear):
-                routed += 1
+            routed += isinstance(getattr(module, name, None), RowsLinear)
     return routed
