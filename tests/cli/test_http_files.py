@@ -9,6 +9,9 @@ import pytest
 
 from cli.http.auth import check_bind, host_name, is_loopback, key_matches, parse_keys
 from cli.http.batch_objects import VALIDATION_TIMEOUT_S, OpenAIBatchRecord, save
+from jobs import batch as job_batches
+from jobs.batch_input import BatchItem
+from jobs.schemas import JobKind, JobSpec
 from jobs.settings import Settings, get_settings
 from tests.cli.http_serving import call, serving
 
@@ -144,6 +147,34 @@ def test_a_batch_left_validating_by_a_stopped_server_fails(client, redis_conn):
     recent = record.model_copy(update={"id": "batch-recent", "created_at": int(time.time())})
     save(redis_conn, recent, ttl_s=60)
     assert client.batches.retrieve("batch-recent").status == "validating"
+
+
+def test_a_batch_read_while_its_jobs_are_written_stays_validating(client, redis_conn):
+    """The batch's record is claimed before its jobs are written: a reader in between once took
+    the missing jobs for expired ones and finished the batch, all its requests failed."""
+    record = OpenAIBatchRecord(
+        id="batch-mid-way",
+        endpoint="/v1/chat/completions",
+        input_file_id="file-x",
+        completion_window="24h",
+        created_at=int(time.time()),
+    )
+    save(redis_conn, record, ttl_s=60)
+    spec = JobSpec(
+        kind=JobKind.PREFILL, document="hi", document_name="d", model="random:tiny-llama"
+    )
+    items = [BatchItem(n, f"c{n}", spec.model_copy(update={"custom_id": f"c{n}"})) for n in (1, 2)]
+    written: list = []
+    real_enqueue = job_batches.enqueue_jobs
+    job_batches.enqueue_jobs = lambda conn, jobs, **_: written.extend(jobs)  # claimed, not written
+    try:
+        job_batches.submit_batch(redis_conn, items, "in.jsonl", batch_id="batch-mid-way")
+    finally:
+        job_batches.enqueue_jobs = real_enqueue
+    mid_way = client.batches.retrieve("batch-mid-way")
+    assert (mid_way.status, mid_way.request_counts.failed) == ("validating", 0)
+    real_enqueue(redis_conn, written)
+    assert client.batches.retrieve("batch-mid-way").status == "in_progress"
 
 
 def test_other_web_pages_cannot_drive_the_api(client):
