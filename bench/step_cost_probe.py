@@ -51,7 +51,6 @@ def main() -> int:
     from ring_worker.devices import cap_device_memory
     from ring_worker.engine import Engine
     from ring_worker.models import load_for_this_device
-    from ring_worker.rows_linear import install_rows_linear
 
     cap_device_memory()
     path = resolve_model(args.model, allowed_dirs=None)
@@ -74,9 +73,11 @@ def main() -> int:
         "steps": [],
         "matmul": [],
     }
+    import ring_worker.batch_decode as batch_decode
+
+    installs = batch_decode.install_rows_linear
     for linear in ("plain", "rows_linear") if args.rows_linear else ("plain",):
-        if linear == "rows_linear":
-            install_rows_linear(model, force=True)
+        batch_decode.install_rows_linear = installs if linear == "rows_linear" else lambda _: 0
         for count in rows:
             for kind in ("mixed", "uniform"):
                 if kind == "uniform" and count == 1:
@@ -85,6 +86,7 @@ def main() -> int:
                 found = {"linear": linear, "rows": count, "kind": kind}
                 report["steps"].append({**found, **time_steps(engine, cell, args)})
                 print(json.dumps(report["steps"][-1]), flush=True)
+    batch_decode.install_rows_linear = installs
     for m in (1, 2, 8, 32) if mx.cuda.is_available() else ():
         for how in ("matmul", "gather_mm"):
             report["matmul"].append(time_matmuls(m, how))
@@ -145,7 +147,7 @@ def time_matmuls(m: int, how: str, count: int = 224, dim: int = 4096) -> dict[st
     def product(x: Any, w: Any) -> Any:
         if how == "matmul":
             return x @ w.T
-        return mx.gather_mm(x, w.T, rhs_indices=zeros, sorted_indices=True)
+        return mx.gather_mm(x, w.T[None], rhs_indices=zeros, sorted_indices=True)
 
     error = mx.abs(product(x0, weights[0]) - x0 @ weights[0].T).max().item()
     samples = []

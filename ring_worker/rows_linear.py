@@ -36,7 +36,8 @@ class RowsLinear(nn.Linear):
         rows = x.shape[0]
         if x.ndim != 3 or x.shape[1] != 1 or not 2 <= rows <= MAX_ROWS:
             return super().__call__(x)  # one row, or a prefill (1, tokens, dims)
-        out = mx.gather_mm(x, self.weight.T, rhs_indices=_zeros(rows), sorted_indices=True)
+        weights = self.weight.T[None]  # (1, dims, out): one "expert", as mlx-lm's MoE layers
+        out = mx.gather_mm(x, weights, rhs_indices=_zeros(rows), sorted_indices=True)
         return out + self.bias if "bias" in self else out
 
 
