@@ -14,7 +14,8 @@ Run it once per MLX setting to compare (each is read once per process), for inst
    previous step's compute).
 2. One linear layer's matmul, M rows x 4096 -> 4096 in bf16, 224 times in one graph (the 8B
    shape's matmuls per step): host time to dispatch it, per matmul, for M = 1 (MLX's gemv) and
-   M > 1 (cuBLASLt).
+   M > 1 (cuBLASLt), and the same through `mx.gather_mm` with every row on one weight (MLX's
+   grouped GEMM, which launches without cuBLAS: is it a way around cuBLAS's host cost?).
 """
 
 import argparse
@@ -37,9 +38,6 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--warm", type=int, default=8)
-    parser.add_argument(
-        "--rows-linear", action="store_true", help="then again with ring_worker/rows_linear.py"
-    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -73,20 +71,13 @@ def main() -> int:
         "steps": [],
         "matmul": [],
     }
-    import ring_worker.batch_decode as batch_decode
-
-    installs = batch_decode.install_rows_linear
-    for linear in ("plain", "rows_linear") if args.rows_linear else ("plain",):
-        batch_decode.install_rows_linear = installs if linear == "rows_linear" else lambda _: 0
-        for count in rows:
-            for kind in ("mixed", "uniform"):
-                if kind == "uniform" and count == 1:
-                    continue  # one row is uniform already
-                cell = prefills[:count] if kind == "mixed" else [uniform] * count
-                found = {"linear": linear, "rows": count, "kind": kind}
-                report["steps"].append({**found, **time_steps(engine, cell, args)})
-                print(json.dumps(report["steps"][-1]), flush=True)
-    batch_decode.install_rows_linear = installs
+    for count in rows:
+        for kind in ("mixed", "uniform"):
+            if kind == "uniform" and count == 1:
+                continue  # one row is uniform already
+            cell = prefills[:count] if kind == "mixed" else [uniform] * count
+            report["steps"].append({"rows": count, "kind": kind, **time_steps(engine, cell, args)})
+            print(json.dumps(report["steps"][-1]), flush=True)
     for m in (1, 2, 8, 32) if mx.cuda.is_available() else ():
         for how in ("matmul", "gather_mm"):
             report["matmul"].append(time_matmuls(m, how))

@@ -15,9 +15,7 @@ Design (after reading mlx-lm 0.32's BatchGenerator / BatchKVCache and this engin
   sequence gets `cancelled`). Its row is freed at once (the last row moves into it); the KV
   buffers keep their size until the last row leaves, and are then dropped.
 - Rows of different lengths attend through a boolean mask on the CPU and Metal; on CUDA, where
-  MLX's fused SDPA takes no mask, through ring_worker/rows_attention.py's kernels instead. On
-  CUDA the step's linears go through ring_worker/rows_linear.py (one grouped-GEMM launch each,
-  not cuBLAS: its per-call host cost made a 2-row step cost twice a 1-row one).
+  MLX's fused SDPA takes no mask, through ring_worker/rows_attention.py's kernels instead.
 - Every rank must add the same sequences in the same order; rows then stay identical on every
   rank, since leaving depends only on the agreed votes.
 Layouts: single and ring with replicated KV (every rank holds every sequence's whole KV; decode
@@ -37,7 +35,6 @@ from ring_worker.batch_cache import BatchCache
 from ring_worker.engine import Engine, PrefillResult, ProgressFn, RingEngine, StopFn
 from ring_worker.pipeline import PipelineEngine
 from ring_worker.rows_attention import install_rows_attention
-from ring_worker.rows_linear import install_rows_linear
 
 CLEAR_CACHE_STEPS = 256
 WARM_UP_LENGTHS = (8, 16, 24)  # warm_up's rows: three lengths, so its steps mix them
@@ -121,7 +118,6 @@ class BatchDecoder:
         self.engine = engine
         self.on_logits = on_logits
         self.fused_rows = install_rows_attention(engine.model)  # CUDA: mixed lengths unmasked
-        install_rows_linear(engine.model)  # CUDA: several rows without cuBLAS's host cost
         self._slots = max_batch or 1
         self.cache = BatchCache(len(engine.model.layers), self._slots)
         self._rows: list[_Sequence] = []  # in cache row order
