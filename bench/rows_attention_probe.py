@@ -59,7 +59,8 @@ def main() -> int:
     return 0
 
 
-def cell(rows, heads, kv_heads, dim, shortest, longest, dtype) -> dict[str, Any]:
+def inputs(rows, heads, kv_heads, dim, shortest, longest, dtype) -> tuple[mx.array, ...]:
+    """A cell's queries, KV buffers (capacity rounded up to 256) and lengths, from seed 0."""
     mx.random.seed(0)
     capacity = (longest + 255) // 256 * 256
     lengths = mx.linspace(shortest, longest, rows).astype(mx.int32)
@@ -68,6 +69,11 @@ def cell(rows, heads, kv_heads, dim, shortest, longest, dtype) -> dict[str, Any]
     keys = mx.random.normal((rows, kv_heads, capacity, dim)).astype(dtype)
     values = mx.random.normal((rows, kv_heads, capacity, dim)).astype(dtype)
     mx.eval(q, keys, values, lengths)
+    return q, keys, values, lengths
+
+
+def cell(rows, heads, kv_heads, dim, shortest, longest, dtype) -> dict[str, Any]:
+    q, keys, values, lengths = inputs(rows, heads, kv_heads, dim, shortest, longest, dtype)
     scale = dim**-0.5
     want = reference_attention(q, keys, values, lengths, longest, scale).astype(mx.float32)
     have = kernel_attention(q, keys, values, lengths, longest, scale).astype(mx.float32)
@@ -105,13 +111,8 @@ def cell(rows, heads, kv_heads, dim, shortest, longest, dtype) -> dict[str, Any]
 def split_sweep(rows, heads, kv_heads, dim, shortest, longest) -> dict[str, Any]:
     """The bf16 kernel's time per call by split policy (TARGET_BLOCKS, MIN_SPLIT_KEYS), the
     module's own policy restored after."""
-    mx.random.seed(0)
-    capacity = (longest + 255) // 256 * 256
-    lengths = mx.linspace(shortest, longest, rows).astype(mx.int32)
-    q = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
-    keys = mx.random.normal((rows, kv_heads, capacity, dim)).astype(mx.bfloat16)
-    values = mx.random.normal((rows, kv_heads, capacity, dim)).astype(mx.bfloat16)
-    mx.eval(q, keys, values, lengths)
+    shape = (rows, heads, kv_heads, dim, shortest, longest)
+    q, keys, values, lengths = inputs(*shape, mx.bfloat16)
     policy = rows_attention.TARGET_BLOCKS, rows_attention.MIN_SPLIT_KEYS
     found: dict[str, Any] = {"rows": rows, "dim": dim, "longest": longest, "ms": {}}
     try:

@@ -84,7 +84,6 @@ def main() -> int:
             print(json.dumps(report["matmul"][-1]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
-    del mx
     return 0
 
 

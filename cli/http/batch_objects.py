@@ -179,9 +179,9 @@ def _recover_validation(
     """A batch left `validating` by a server that stopped mid-way: in progress if its jobs were
     enqueued, failed once VALIDATION_TIMEOUT_S has passed without them."""
     now = int(time.time())
-    enqueued = _all_enqueued(conn, record.id)
-    if not enqueued and now - record.created_at <= VALIDATION_TIMEOUT_S:
-        return record
+    if now - record.created_at <= VALIDATION_TIMEOUT_S and not _all_enqueued(conn, record.id):
+        return record  # its jobs may still be being written
+    enqueued = bool(conn.exists(keys.batch(record.id)))  # past the wait, track what was written
 
     def recover(current: OpenAIBatchRecord) -> dict[str, Any] | None:
         if current.stored != "validating":
