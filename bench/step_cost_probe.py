@@ -9,13 +9,14 @@ Run it once per MLX setting to compare (each is read once per process), for inst
 
 1. Decode steps (ring_worker/batch_decode.py's BatchDecoder) over `--rows` rows: rows of
    different lengths (the mixed-length path) and, for comparison, rows of one length (mlx-lm's
-   own path). Each cell runs `--warm` steps untimed, then `--steps` timed, every step evaluated
-   before the next is built (so the three parts add up; the service overlaps build with the
-   previous step's compute).
-2. One linear layer's matmul, M rows x 4096 -> 4096 in bf16, 224 times in one graph (the 8B
-   shape's matmuls per step): host time to dispatch it, per matmul, for M = 1 (MLX's gemv) and
-   M > 1 (cuBLASLt), and the same through `mx.gather_mm` with every row on one weight (MLX's
-   grouped GEMM, which launches without cuBLAS: is it a way around cuBLAS's host cost?).
+   own path), first with MLX's own linears (cuBLAS above one row), then with the batch's
+   (ring_worker/rows_linear.py: its kernel up to MAX_ROWS rows). Each cell runs `--warm` steps
+   untimed, then `--steps` timed, every step evaluated before the next is built (so the three
+   parts add up; the service overlaps build with the previous step's compute).
+2. One linear layer's matmul, M rows x dims -> out in bf16, chained in one graph (224 of them
+   at 4096 -> 4096, the 8B shape's matmuls per step): host time to dispatch it, per matmul, for
+   MLX's matmul (gemv at M = 1, cuBLASLt above) and rows_linear's kernel; at 4096 -> 14336 the
+   device is the bound, and `weight_gb_s` says how near each gets to the memory's bandwidth.
 """
 
 import argparse
@@ -71,17 +72,28 @@ def main() -> int:
         "steps": [],
         "matmul": [],
     }
-    for count in rows:
-        for kind in ("mixed", "uniform"):
-            if kind == "uniform" and count == 1:
-                continue  # one row is uniform already
-            cell = prefills[:count] if kind == "mixed" else [uniform] * count
-            report["steps"].append({"rows": count, "kind": kind, **time_steps(engine, cell, args)})
-            print(json.dumps(report["steps"][-1]), flush=True)
-    for m in (1, 2, 8, 32) if mx.cuda.is_available() else ():
-        for how in ("matmul", "gather_mm"):
-            report["matmul"].append(time_matmuls(m, how))
-            print(json.dumps(report["matmul"][-1]), flush=True)
+    import ring_worker.batch_decode as batch_decode
+    from ring_worker.rows_linear import MAX_ROWS
+
+    install = batch_decode.install_rows_linear
+    for linears in ("mlx", "rows_linear"):  # the model keeps rows_linear's once installed
+        batch_decode.install_rows_linear = install if linears == "rows_linear" else lambda _: 0
+        for count in rows:
+            if linears == "rows_linear" and count > MAX_ROWS:
+                continue  # the same as MLX's
+            for kind in ("mixed", "uniform"):
+                if kind == "uniform" and count == 1:
+                    continue  # one row is uniform already
+                cell = prefills[:count] if kind == "mixed" else [uniform] * count
+                timed = time_steps(engine, cell, args)
+                report["steps"].append({"rows": count, "kind": kind, "linears": linears, **timed})
+                print(json.dumps(report["steps"][-1]), flush=True)
+    batch_decode.install_rows_linear = install
+    for m in (1, 2, 4, 8, 16, 32) if mx.cuda.is_available() else ():
+        for out, count in ((4096, 224), (14336, 64)):
+            for how in ("matmul", "rows_linear") if 2 <= m <= 16 else ("matmul",):
+                report["matmul"].append(time_matmuls(m, how, count, out=out))
+                print(json.dumps(report["matmul"][-1]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
@@ -124,42 +136,54 @@ def time_steps(engine: Any, prefills: list[Any], args: argparse.Namespace) -> di
     return cell
 
 
-def time_matmuls(m: int, how: str, count: int = 224, dim: int = 4096) -> dict[str, Any]:
-    """`count` chained (m, 1, dim) x (dim, dim)^T products in one graph, by `how`: `x @ w.T`
-    (gemv at m = 1, cuBLAS above) or gather_mm with every row on the one weight."""
+def time_matmuls(
+    m: int, how: str, count: int, dim: int = 4096, out: int = 4096
+) -> dict[str, Any]:
+    """`count` (m, 1, dim) x (out, dim)^T products in one graph, by `how`: `x @ w.T` (gemv at
+    m = 1, cuBLAS above) or rows_linear's kernel. Chained where out == dim, else each on x."""
     import mlx.core as mx
 
-    weights = [mx.random.normal((dim, dim)).astype(mx.bfloat16) * dim**-0.5 for _ in range(4)]
+    from ring_worker.rows_linear import rows_kernel
+
+    weights = [mx.random.normal((out, dim)).astype(mx.bfloat16) * dim**-0.5 for _ in range(4)]
     x0 = mx.random.normal((m, 1, dim)).astype(mx.bfloat16)
-    zeros = mx.zeros((m,), dtype=mx.uint32)
-    mx.eval(weights, x0, zeros)
+    mx.eval(weights, x0)
 
     def product(x: Any, w: Any) -> Any:
         if how == "matmul":
             return x @ w.T
-        return mx.gather_mm(x, w.T[None], rhs_indices=zeros, sorted_indices=True)
+        return rows_kernel(x.reshape(m, dim), w).reshape(m, 1, -1)
 
-    error = mx.abs(product(x0, weights[0]) - x0 @ weights[0].T).max().item()
+    exact = (x0.astype(mx.float32) @ weights[0].astype(mx.float32).T).astype(mx.bfloat16)
+    error = mx.abs(product(x0, weights[0]) - exact).max().item()
     samples = []
     for _ in range(6):
-        x = x0
+        x, outs = x0, []
         began = time.perf_counter()
         for i in range(count):
-            x = product(x, weights[i % 4])
+            y = product(x, weights[i % 4])
+            if out == dim:
+                x = y
+            else:
+                outs.append(y)
+        result = x if out == dim else mx.stack(outs)
         built = time.perf_counter()
-        mx.async_eval(x)
+        mx.async_eval(result)
         dispatched = time.perf_counter()
-        mx.eval(x)
+        mx.eval(result)
         samples.append((built - began, dispatched - built, time.perf_counter() - dispatched))
     build, dispatch, wait = (statistics.median(s[i] for s in samples[1:]) for i in range(3))
+    total = build + dispatch + wait
     return {
         "m": m,
         "how": how,
+        "dims": [dim, out],
         "matmuls": count,
-        "max_abs_diff_vs_matmul": error,
+        "max_abs_diff_vs_float32": error,
         "build_us_each": round(1e6 * build / count, 2),
         "dispatch_us_each": round(1e6 * dispatch / count, 2),
         "wait_us_each": round(1e6 * wait / count, 2),
+        "weight_gb_s": round(count * out * dim * 2 / total / 1e9, 1),
     }
 
 
