@@ -136,9 +136,7 @@ def time_steps(engine: Any, prefills: list[Any], args: argparse.Namespace) -> di
     return cell
 
 
-def time_matmuls(
-    m: int, how: str, count: int, dim: int = 4096, out: int = 4096
-) -> dict[str, Any]:
+def time_matmuls(m: int, how: str, count: int, dim: int = 4096, out: int = 4096) -> dict[str, Any]:
     """`count` (m, 1, dim) x (out, dim)^T products in one graph, by `how`: `x @ w.T` (gemv at
     m = 1, cuBLAS above) or rows_linear's kernel. Chained where out == dim, else each on x."""
     import mlx.core as mx

@@ -73,8 +73,9 @@ SOURCE = """
     const int n0 = blockIdx.x * COLUMNS;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const bool aligned =
-        ((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(w)) & 15) == 0;
+    const unsigned long long starts =
+        reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(w);
+    const bool aligned = (starts & 15) == 0;
 
     float acc[R][COLUMNS];
 #pragma unroll
