@@ -9,14 +9,13 @@ Run it once per MLX setting to compare (each is read once per process), for inst
 
 1. Decode steps (ring_worker/batch_decode.py's BatchDecoder) over `--rows` rows: rows of
    different lengths (the mixed-length path) and, for comparison, rows of one length (mlx-lm's
-   own path), first with MLX's own linears (cuBLAS above one row), then with the batch's
-   (ring_worker/rows_linear.py: its kernel up to MAX_ROWS rows). Each cell runs `--warm` steps
-   untimed, then `--steps` timed, every step evaluated before the next is built (so the three
-   parts add up; the service overlaps build with the previous step's compute).
-2. One linear layer's matmul, M rows x dims -> out in bf16, chained in one graph (224 of them
-   at 4096 -> 4096, the 8B shape's matmuls per step): host time to dispatch it, per matmul, for
-   MLX's matmul (gemv at M = 1, cuBLASLt above) and rows_linear's kernel; at 4096 -> 14336 the
-   device is the bound, and `weight_gb_s` says how near each gets to the memory's bandwidth.
+   own path). Each cell runs `--warm` steps untimed, then `--steps` timed, every step
+   evaluated before the next is built (so the three parts add up; the service overlaps build
+   with the previous step's compute).
+2. One linear layer's matmul, M rows x dims -> out in bf16 (224 chained at 4096 -> 4096, the 8B
+   shape's matmuls per step; 64 at 4096 -> 14336, where the device is the bound): host time to
+   build and dispatch it, per matmul (gemv at M = 1, cuBLASLt above), and `weight_gb_s`, how
+   near it gets to the memory's bandwidth.
 """
 
 import argparse
@@ -72,28 +71,17 @@ def main() -> int:
         "steps": [],
         "matmul": [],
     }
-    import ring_worker.batch_decode as batch_decode
-    from ring_worker.rows_linear import MAX_ROWS
-
-    install = batch_decode.install_rows_linear
-    for linears in ("mlx", "rows_linear"):  # the model keeps rows_linear's once installed
-        batch_decode.install_rows_linear = install if linears == "rows_linear" else lambda _: 0
-        for count in rows:
-            if linears == "rows_linear" and count > MAX_ROWS:
-                continue  # the same as MLX's
-            for kind in ("mixed", "uniform"):
-                if kind == "uniform" and count == 1:
-                    continue  # one row is uniform already
-                cell = prefills[:count] if kind == "mixed" else [uniform] * count
-                timed = time_steps(engine, cell, args)
-                report["steps"].append({"rows": count, "kind": kind, "linears": linears, **timed})
-                print(json.dumps(report["steps"][-1]), flush=True)
-    batch_decode.install_rows_linear = install
+    for count in rows:
+        for kind in ("mixed", "uniform"):
+            if kind == "uniform" and count == 1:
+                continue  # one row is uniform already
+            cell = prefills[:count] if kind == "mixed" else [uniform] * count
+            report["steps"].append({"rows": count, "kind": kind, **time_steps(engine, cell, args)})
+            print(json.dumps(report["steps"][-1]), flush=True)
     for m in (1, 2, 4, 8, 16, 32) if mx.cuda.is_available() else ():
         for out, count in ((4096, 224), (14336, 64)):
-            for how in ("matmul", "rows_linear") if 2 <= m <= 16 else ("matmul",):
-                report["matmul"].append(time_matmuls(m, how, count, out=out))
-                print(json.dumps(report["matmul"][-1]), flush=True)
+            report["matmul"].append(time_matmuls(m, count, out=out))
+            print(json.dumps(report["matmul"][-1]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
@@ -136,21 +124,17 @@ def time_steps(engine: Any, prefills: list[Any], args: argparse.Namespace) -> di
     return cell
 
 
-def time_matmuls(m: int, how: str, count: int, dim: int = 4096, out: int = 4096) -> dict[str, Any]:
-    """`count` (m, 1, dim) x (out, dim)^T products in one graph, by `how`: `x @ w.T` (gemv at
-    m = 1, cuBLAS above) or rows_linear's kernel. Chained where out == dim, else each on x."""
+def time_matmuls(m: int, count: int, dim: int = 4096, out: int = 4096) -> dict[str, Any]:
+    """`count` (m, 1, dim) x (out, dim)^T products `x @ w.T` in one graph (gemv at m = 1, cuBLAS
+    above), chained where out == dim, else each on x."""
     import mlx.core as mx
-
-    from ring_worker.rows_linear import rows_kernel
 
     weights = [mx.random.normal((out, dim)).astype(mx.bfloat16) * dim**-0.5 for _ in range(4)]
     x0 = mx.random.normal((m, 1, dim)).astype(mx.bfloat16)
     mx.eval(weights, x0)
 
     def product(x: Any, w: Any) -> Any:
-        if how == "matmul":
-            return x @ w.T
-        return rows_kernel(x.reshape(m, dim), w).reshape(m, 1, -1)
+        return x @ w.T
 
     exact = (x0.astype(mx.float32) @ weights[0].astype(mx.float32).T).astype(mx.bfloat16)
     error = mx.abs(product(x0, weights[0]) - exact).max().item()
@@ -174,7 +158,6 @@ def time_matmuls(m: int, how: str, count: int, dim: int = 4096, out: int = 4096)
     total = build + dispatch + wait
     return {
         "m": m,
-        "how": how,
         "dims": [dim, out],
         "matmuls": count,
         "max_abs_diff_vs_float32": error,

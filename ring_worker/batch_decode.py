@@ -30,13 +30,11 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ring_worker.batch_cache import BatchCache
 from ring_worker.engine import Engine, PrefillResult, ProgressFn, RingEngine, StopFn
 from ring_worker.pipeline import PipelineEngine
 from ring_worker.rows_attention import install_rows_attention
-from ring_worker.rows_linear import install_rows_linear, warm_up_kernels
 
 CLEAR_CACHE_STEPS = 256
 WARM_UP_LENGTHS = (8, 16, 24)  # warm_up's rows: three lengths, so its steps mix them
@@ -120,7 +118,6 @@ class BatchDecoder:
         self.engine = engine
         self.on_logits = on_logits
         self.fused_rows = install_rows_attention(engine.model)  # CUDA: mixed lengths unmasked
-        self.rows_linears = install_rows_linear(engine.model)  # CUDA: 2..8 rows without cuBLAS
         self._slots = max_batch or 1
         self.cache = BatchCache(len(engine.model.layers), self._slots)
         self._rows: list[_Sequence] = []  # in cache row order
@@ -277,7 +274,6 @@ def warm_up(engine: Engine) -> None:
     batch's steps: py-spy of a 32-job batch put 54 % of rank 0's samples in NVRTC. MLX keeps
     what it compiles on disk (its PTX cache), so a later group process reads it back."""
     decoder = BatchDecoder(engine)
-    warm_up_kernels(next(iter(tree_flatten(engine.model.parameters())))[1].dtype)
     for row, length in enumerate(WARM_UP_LENGTHS):
         request = DecodeRequest(key=str(row), max_tokens=row + 2)
         decoder.add(request, engine.prefill([0] * length, length))
