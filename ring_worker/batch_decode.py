@@ -24,6 +24,8 @@ is plain mlx-lm on every rank). Sharded-KV ring and pipeline decode one sequence
 owner per sequence, and a pipeline step travels rank to rank; neither is batched yet.
 """
 
+import itertools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +40,8 @@ from ring_worker.rows_attention import install_rows_attention
 
 CLEAR_CACHE_STEPS = 256
 WARM_UP_LENGTHS = (8, 16, 24)  # warm_up's rows: three lengths, so its steps mix them
+MEASURED_ROWS = (1, 2, 4)  # row counts whose step time warm_up measures
+MEASURED_STEPS = 8  # timed steps per row count, after two untimed
 LogitsHook = Callable[[list[str], mx.array], None]  # (row keys, (rows, vocab) float32 logits)
 
 
@@ -267,17 +271,36 @@ class BatchDecoder:
         mx.clear_cache()
 
 
-def warm_up(engine: Engine) -> None:
-    """Run what a batch's steps run, once: rows of three lengths join, decode together and
-    leave at different steps. On an H200 a fresh process compiled its kernels (NVRTC: gathers,
-    scatters, fused elementwise, the mixed-length attention; 1-4 s each) inside its first
-    batch's steps: py-spy of a 32-job batch put 54 % of rank 0's samples in NVRTC. MLX keeps
-    what it compiles on disk (its PTX cache), so a later group process reads it back."""
+def warm_up(engine: Engine) -> dict[int, float]:
+    """Run what a batch's steps run, then time them: rows of three lengths join, decode
+    together and leave at different steps; then MEASURED_ROWS rows of different lengths decode
+    MEASURED_STEPS steps each. Returns seconds per step by row count (the median), which seed
+    the group's join budget (ring_worker/join_budget.py). On an H200 a fresh process compiled
+    its kernels (NVRTC: gathers, scatters, fused elementwise, the mixed-length attention; 1-4 s
+    each) inside its first batch's steps: py-spy of a 32-job batch put 54 % of rank 0's samples
+    in NVRTC. MLX keeps what it compiles on disk (its PTX cache), so a later group process
+    reads it back."""
     decoder = BatchDecoder(engine)
     for row, length in enumerate(WARM_UP_LENGTHS):
         request = DecodeRequest(key=str(row), max_tokens=row + 2)
         decoder.add(request, engine.prefill([0] * length, length))
     decoder.run()
+    return {rows: _time_steps(engine, rows) for rows in MEASURED_ROWS}
+
+
+def _time_steps(engine: Engine, rows: int) -> float:
+    """Median seconds per step of `rows` rows of different lengths, stepped as a batch is."""
+    decoder = BatchDecoder(engine, max_batch=rows)
+    steps = MEASURED_STEPS + 2
+    for row in range(rows):
+        length = WARM_UP_LENGTHS[0] * (row + 1)
+        decoder.add(DecodeRequest(str(row), steps + 1), engine.prefill([0] * length, length))
+    ends = []
+    for _ in range(steps):
+        decoder.step()
+        ends.append(time.perf_counter())
+    decoder.run()
+    return statistics.median(b - a for a, b in itertools.pairwise(ends[1:]))
 
 
 def sample_rows(sequences: list[_Sequence], logits: mx.array) -> mx.array:

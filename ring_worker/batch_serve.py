@@ -85,7 +85,10 @@ class BatchServer:
         watchdog: Watchdog,
         prefix: RankPrefixCache | None,
         max_batch: int,
+        step_s: dict[int, float] | None = None,
     ):
+        """`step_s`: seconds per decode step by row count, measured at warm-up (GPU), which
+        the join budget starts from."""
         self.ctx, self.engine, self.tokenizer = ctx, engine, tokenizer
         self.watchdog, self.prefix, self.max_batch = watchdog, prefix, max_batch
         # rows grow as jobs join (doubling), not reserved for max_batch up front: the group's
@@ -94,7 +97,7 @@ class BatchServer:
         self.members: dict[str, _Member] = {}
         self.joins = JoinTimes()
         self.profile: cProfile.Profile | None = None
-        self.budget = JoinBudget(ctx.settings.max_slowdown)  # rank 0 decides the joins
+        self.budget = JoinBudget(ctx.settings.max_slowdown, step_s)  # rank 0 decides the joins
         self.waiting: dict[str, Waiting] = {}  # rank 0: jobs handed over, not started yet
         self.just_joined = False
         self.held: set[str] = set()  # rank 0: jobs told they wait to join

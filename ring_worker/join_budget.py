@@ -14,11 +14,13 @@ within its deadline; the admitted ones count as members for the next. A member a
 every join back until it leaves: each join would make it later still. A waiting job's own
 deadline never keeps it out: joining later only finishes it later.
 
-The times are the group's own: step seconds per row count (exponential averages; a row count
-not seen yet is on the line through the two seen nearest to it; with one seen, an added row
-costs PRIOR_ROW_SHARE of a one-row step, more than measured so far: a second row +44 % and each
-next +23 % on the CPU (SmolLM2, 51 -> 73 -> 120 ms at 1, 2, 7 rows), +3 % each on an H200
-(5.5 -> 20.6 ms from 1 to 32 rows)), and prompt tokens per second of its prefills.
+The times are the group's own: step seconds per row count (exponential averages, starting from
+what its GPU warm-up measured at 1, 2 and 4 rows, where it ran), and prompt tokens per second of
+its prefills. A row count not seen yet is on the line through the two seen nearest to it; with
+only one seen (the CPU, which has no warm-up), an added row costs PRIOR_ROW_SHARE of a one-row
+step. Measured: a second row +44 % and each next +23 % on the CPU (SmolLM2, 51 -> 73 -> 120 ms at
+1, 2, 7 rows); on an H200 (8B, bf16) a second row +56 %, then ~+0.2 ms a row (7.2 -> 11.2 ->
+18.5 ms at 1, 2, 32 rows): there the prior admitted a second job too early, hence the warm-up.
 """
 
 import math
@@ -88,12 +90,14 @@ def _averaged(average: float | None, sample: float) -> float:
 class JoinBudget:
     """Deadlines of the group's jobs, and which waiting jobs may join now."""
 
-    def __init__(self, slowdown: float | None):
-        """`slowdown` None: no bound (every waiting job is admitted)."""
+    def __init__(self, slowdown: float | None, step_s: dict[int, float] | None = None):
+        """`slowdown` None: no bound (every waiting job is admitted). `step_s`: seconds per step
+        by row count measured before the group's first job (its GPU warm-up), the start of its
+        averages; they count as no step seen, so deadlines still settle on the group's own."""
         if slowdown is not None and slowdown < 1:
             raise ValueError(f"slowdown must be at least 1, got {slowdown}")
         self.slowdown = slowdown
-        self.times = GroupTimes()
+        self.times = GroupTimes(step_s=dict(step_s or {}))
         self.deadlines: dict[str, float] = {}
         self._arrived: list[tuple[Waiting, float | None]] = []  # deadlines not fixed yet
         self._seen: set[str] = set()

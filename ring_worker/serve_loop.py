@@ -43,11 +43,12 @@ def serve(ctx: RankContext, io: JobIO, watchdog: Watchdog) -> None:
     if ctx.lead:
         io.enter(JobState.LOADING, len(io.tokens()))
     engine, tokenizer = start_engine(ctx, io)
+    step_s = warm_up(engine, io.chunk_tokens(), ctx)
     prefix = open_prefix_cache(ctx.settings, ctx.group, ctx.rank, engine, io)
     load_s = time.perf_counter() - started
     log.info("job %s rank %d: loaded %s in %.1fs", io.job_id, ctx.rank, ctx.group.model, load_s)
     if (max_batch := batch_limit(ctx, engine)) > 1:
-        server = BatchServer(ctx, engine, tokenizer, watchdog, prefix, max_batch)
+        server = BatchServer(ctx, engine, tokenizer, watchdog, prefix, max_batch, step_s)
         server.run(io, load_s, lambda job: next_job(ctx, engine, job, watchdog))
         return
     job: JobIO | None = io
@@ -130,32 +131,32 @@ def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
         raise ModelLoadError(f"cannot load model {group.model}: {exc}") from exc
     tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
     stop_if_cancelled(mx_group, io, "after loading the model")
-    engine = make_engine(model, mx_group, group.strategy, group.exchange, group.kv_layout)
-    warm_up(engine, io.chunk_tokens(), ctx)
-    return engine, tokenizer
+    return make_engine(model, mx_group, group.strategy, group.exchange, group.kv_layout), tokenizer
 
 
-def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> None:
+def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> dict[int, float]:
     """On GPUs, run the kernels the group's jobs will need once while loading: a prefill of two
     chunks (the first chunk's shapes and one with a past) and two decode steps, on token 0, and
-    in a group that batches a short batch (ring_worker/batch_decode.py `warm_up`). The first
-    job then starts with compiled kernels, graphs and NCCL set up (cold vs warm in
-    bench/results/h200-service/). CPU kernels need no warm-up."""
+    in a group that batches a short batch (ring_worker/batch_decode.py `warm_up`), whose step
+    times by row count it returns (they seed the join budget). The first job then starts with
+    compiled kernels, graphs and NCCL set up (cold vs warm in bench/results/h200-service/).
+    CPU kernels need no warm-up (and nothing is measured: {})."""
     if not ctx.settings.warm_up or mx.default_device().type != mx.gpu:
-        return
+        return {}
     started = time.perf_counter()
     prefill = engine.prefill([0] * (2 * chunk_tokens), chunk_tokens)
     engine.decode(prefill, 2)
-    if batch_limit(ctx, engine) > 1:
-        warm_up_batch(engine)
+    step_s = warm_up_batch(engine) if batch_limit(ctx, engine) > 1 else {}
     mx.clear_cache()
     log.info(
-        "job %s rank %d: warmed up (%d-token chunks) in %.1fs",
+        "job %s rank %d: warmed up (%d-token chunks) in %.1fs; step ms by rows %s",
         ctx.group.job_id,
         ctx.rank,
         chunk_tokens,
         time.perf_counter() - started,
+        {rows: round(1e3 * s, 2) for rows, s in step_s.items()},
     )
+    return step_s
 
 
 def stop_if_cancelled(mx_group: Any, io: JobIO, when: str) -> None:

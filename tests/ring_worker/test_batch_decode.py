@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from ring_worker.batch_decode import BatchDecoder, DecodeRequest, warm_up
+from ring_worker.batch_decode import MEASURED_ROWS, BatchDecoder, DecodeRequest, warm_up
 from ring_worker.engine import Engine
 from ring_worker.group import free_loopback_ports
 from ring_worker.processes import rank_environment, spawn_rank, wait_all
@@ -180,9 +180,10 @@ def test_an_emptied_batch_lets_go_of_its_buffers(tiny_model_dir):
 def test_warm_up_leaves_the_engine_as_it_found_it(tiny_model_dir):
     """The GPU warm-up's short batch (ring_worker/batch_decode.py `warm_up`) runs its rows to
     the end, and a sequence decoded after it is what it is alone: the warm-up shares no state
-    with the batches after it."""
+    with the batches after it. It returns the step time it measured at each of MEASURED_ROWS."""
     engine = Engine(model_at(tiny_model_dir))
-    warm_up(engine)
+    step_s = warm_up(engine)
+    assert sorted(step_s) == list(MEASURED_ROWS) and all(s > 0 for s in step_s.values())
     decoder = BatchDecoder(engine)
     decoder.add(*request(engine, "after", 30, 5))
     assert [r.tokens for r in decoder.run()] == [alone(tiny_model_dir, 30, 5)[0]]

@@ -114,3 +114,20 @@ def test_a_measured_prefill_replaces_the_guess():
     found.arrive(job(0), prefill_s=3.0)  # then prefilled, in 3 s
     found.admit(3.0, {"j0": 10}, [])
     assert found.deadlines["j0"] == pytest.approx(1.5 * (3.0 + 10 * 0.1))
+
+
+def test_warm_up_step_times_hold_a_join_the_prior_would_admit():
+    """The H200's steps (8B: 7.2 ms at one row, 11.2 at two): a second row costs +56 %, more
+    than the prior's +25 %. Job 0 alone: 0.1 s of prefill + 256 x 7.2 ms, so its deadline is
+    1.5 x 1.94 s = 2.91 s. Job 1 joining at 0.2 s (0.1 s of prefill) ends job 0 at 0.3 + 250
+    steps: 2.55 s at the prior's two-row step (admitted), 3.1 s at the measured one (held)."""
+
+    def joins(step_s: dict[int, float]) -> int:
+        found = JoinBudget(1.5, step_s)
+        found.times.saw_prefill(1000, 0.1)
+        found.arrive(job(0, max_tokens=256), prefill_s=0.1)
+        return found.admit(0.2, {"j0": 250}, [job(1, max_tokens=256)])
+
+    assert joins({1: 0.0072}) == 1
+    assert joins({1: 0.0072, 2: 0.0112}) == 0
+    assert not JoinBudget(1.5, {1: 0.0072, 2: 0.0112}).times.settled  # seeds are not steps seen
