@@ -35,6 +35,7 @@ import mlx.core as mx
 
 from ring_worker.batch_cache import BatchCache
 from ring_worker.engine import Engine, PrefillResult, ProgressFn, RingEngine, StopFn
+from ring_worker.fused_linears import fuse_layers
 from ring_worker.pipeline import PipelineEngine
 from ring_worker.rows_attention import install_rows_attention
 
@@ -122,6 +123,8 @@ class BatchDecoder:
         self.engine = engine
         self.on_logits = on_logits
         self.fused_rows = install_rows_attention(engine.model)  # CUDA: mixed lengths unmasked
+        if self.fused_rows:
+            fuse_layers(engine.model)  # and fewer matmuls a step (ring_worker/fused_linears.py)
         self._slots = max_batch or 1
         self.cache = BatchCache(len(engine.model.layers), self._slots)
         self._rows: list[_Sequence] = []  # in cache row order

@@ -16,10 +16,11 @@ Here two kernels do it (flash-decoding):
   in bf16 on an H200, 2.5x fused SDPA over rows of one length (rows-attention-probe.json).
 - `rows_combine`: merges the splits of each (row, query head).
 
-`RowsAttention` wraps a layer's attention module: on a SlotCache whose rows differ in length it
-computes Q/K/V itself (`project_qkv`, as the ring does), stores K/V in the rows, and calls
-`attend`; on any other cache it is the plain module. `attend` is this file's kernels on CUDA; the
-tests pass `reference_attention` (MLX ops) on the CPU to check the wrapper.
+`RowsAttention` wraps a layer's attention module: on a SlotCache (a decode batch's step) it
+computes Q/K/V itself (`project_qkv`, as the ring does; one matmul where `fused_linears` fused
+them), stores K/V in the rows, and calls `attend` when the rows differ in length (fused SDPA when
+they do not); on any other cache it is the plain module. `attend` is this file's kernels on
+CUDA; the tests pass `reference_attention` (MLX ops) on the CPU to check the wrapper.
 """
 
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ring_worker.batch_cache import SlotCache
+from ring_worker.fused_linears import mlx_lm_attention
 from ring_worker.ring_attention import project_qkv
 
 Attend = Callable[[mx.array, mx.array, mx.array, mx.array, int, float], mx.array]
@@ -339,8 +341,9 @@ def supported(module: nn.Module) -> bool:
 
 
 class RowsAttention(nn.Module):
-    """Wraps one attention module (mlx-lm's, or the ring's wrapper of it): a decode step over
-    rows of different lengths goes through `attend`; everything else through the module."""
+    """Wraps one attention module (mlx-lm's, or the ring's wrapper of it): a decode batch's step
+    runs here (q/k/v fused where `fused_linears` fused them), its rows of different lengths
+    through `attend`; everything else goes through the module."""
 
     def __init__(self, inner: nn.Module, attend: Attend):
         super().__init__()
@@ -348,23 +351,22 @@ class RowsAttention(nn.Module):
         self._attend = attend
 
     def __call__(self, x: mx.array, mask: object = None, cache: object = None) -> mx.array:
-        if not isinstance(cache, SlotCache) or cache.rows.uniform:
+        if not isinstance(cache, SlotCache):
             return self.inner(x, mask, cache)
-        attn = _mlx_lm_attention(self.inner)
+        attn = mlx_lm_attention(self.inner)
         q, k, v = project_qkv(attn, x, cache.offset)
-        cache.store(k, v)
         rows = cache.rows
-        assert cache.keys is not None and cache.values is not None
-        out = self._attend(
-            q, cache.keys, cache.values, rows.visible(), rows.longest + 1, attn.scale
-        )
+        if rows.uniform:  # one length: nothing to hide, mlx-lm's attention as it runs it
+            keys, values = cache.update_and_fetch(k, v)
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale)
+        else:
+            cache.store(k, v)
+            assert cache.keys is not None and cache.values is not None
+            out = self._attend(
+                q, cache.keys, cache.values, rows.visible(), rows.longest + 1, attn.scale
+            )
         out = out.astype(x.dtype).transpose(0, 2, 1, 3)
         return attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
-
-
-def _mlx_lm_attention(module: nn.Module) -> nn.Module:
-    inner = getattr(module, "inner", None)
-    return module if inner is None else _mlx_lm_attention(inner)
 
 
 def install_rows_attention(model: nn.Module, attend: Attend | None = None) -> bool:
@@ -374,7 +376,7 @@ def install_rows_attention(model: nn.Module, attend: Attend | None = None) -> bo
     if attend is None:
         if not kernels_available():
             return False
-        if not all(supported(_mlx_lm_attention(layer.self_attn)) for layer in layers):
+        if not all(supported(mlx_lm_attention(layer.self_attn)) for layer in layers):
             return False
         attend = kernel_attention
     for layer in layers:
