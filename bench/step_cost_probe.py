@@ -8,10 +8,13 @@ Run it once per MLX setting to compare (each is read once per process), for inst
 `MLX_USE_CUDA_GRAPHS=0` or `MLX_MAX_OPS_PER_BUFFER=100`.
 
 1. Decode steps (ring_worker/batch_decode.py's BatchDecoder) over `--rows` rows: rows of
-   different lengths (the mixed-length path) and, for comparison, rows of one length (mlx-lm's
-   own path). Each cell runs `--warm` steps untimed, then `--steps` timed, every step
-   evaluated before the next is built (so the three parts add up; the service overlaps build
-   with the previous step's compute).
+   different lengths (the mixed-length path) and, for comparison, rows of one length. Each cell
+   runs `--warm` steps untimed, then `--steps` timed, every step evaluated before the next is
+   built (so the three parts add up; the service overlaps build with the previous step's
+   compute). Where the decoder fused the linears (ring_worker/fused_linears.py, CUDA), every
+   cell also runs with the calls going around the fused weights ("separate"), the two
+   alternating `--repeats` times: the host's speed drifts between runs on a shared machine,
+   so only side-by-side cells compare.
 2. One linear layer's matmul, M rows x dims -> out in bf16 (224 chained at 4096 -> 4096, the 8B
    shape's matmuls per step; 64 at 4096 -> 14336, where the device is the bound): host time to
    build and dispatch it, per matmul (gemv at M = 1, cuBLASLt above), and `weight_gb_s`, how
@@ -23,6 +26,8 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
@@ -38,6 +43,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--warm", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -76,8 +82,17 @@ def main() -> int:
             if kind == "uniform" and count == 1:
                 continue  # one row is uniform already
             cell = prefills[:count] if kind == "mixed" else [uniform] * count
-            report["steps"].append({"rows": count, "kind": kind, **time_steps(engine, cell, args)})
-            print(json.dumps(report["steps"][-1]), flush=True)
+            for repeat in range(args.repeats):
+                for linears in ("fused", "separate"):
+                    timed = time_steps(engine, cell, args, linears)
+                    if timed is None:
+                        continue
+                    report["steps"].append(
+                        {"rows": count, "kind": kind, "linears": linears, "repeat": repeat, **timed}
+                    )
+                    print(json.dumps(report["steps"][-1]), flush=True)
+    report["fusion"] = fusion_summary(report["steps"])
+    print(json.dumps(report["fusion"], indent=1), flush=True)
     for m in (1, 2, 4, 8, 16, 32) if mx.cuda.is_available() else ():
         for out, count in ((4096, 224), (14336, 64)):
             report["matmul"].append(time_matmuls(m, count, out=out))
@@ -87,41 +102,83 @@ def main() -> int:
     return 0
 
 
-def time_steps(engine: Any, prefills: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+def time_steps(
+    engine: Any, prefills: list[Any], args: argparse.Namespace, linears: str
+) -> dict[str, Any] | None:
+    """One cell; None for "fused" where the decoder fused nothing (no GPU)."""
     import mlx.core as mx
 
     from ring_worker.batch_decode import BatchDecoder, DecodeRequest
+    from ring_worker.fused_linears import FusedMLP
 
     decoder = BatchDecoder(engine, max_batch=len(prefills))
+    if linears == "fused" and not any(isinstance(x.mlp, FusedMLP) for x in engine.model.layers):
+        return None
     total = args.warm + args.steps + 2
     for index, prefill in enumerate(prefills):
         decoder.add(DecodeRequest(str(index), total), prefill)
     mx.eval(decoder._vote)
     parts: dict[str, list[float]] = {"build": [], "dispatch": [], "wait": []}
     real_async_eval = mx.async_eval
-    for step in range(args.warm + args.steps):
-        mx.async_eval = lambda *_: None
-        began = time.perf_counter()
-        try:
-            vote = decoder._queue_step()
-        finally:
-            mx.async_eval = real_async_eval
-        built = time.perf_counter()
-        mx.async_eval(vote)
-        dispatched = time.perf_counter()
-        mx.eval(vote)
-        waited = time.perf_counter()
-        decoder._vote = vote
-        if step >= args.warm:
-            parts["build"].append(built - began)
-            parts["dispatch"].append(dispatched - built)
-            parts["wait"].append(waited - dispatched)
+    with separate_linears(engine.model) if linears == "separate" else nullcontext():
+        for step in range(args.warm + args.steps):
+            mx.async_eval = lambda *_: None
+            began = time.perf_counter()
+            try:
+                vote = decoder._queue_step()
+            finally:
+                mx.async_eval = real_async_eval
+            built = time.perf_counter()
+            mx.async_eval(vote)
+            dispatched = time.perf_counter()
+            mx.eval(vote)
+            waited = time.perf_counter()
+            decoder._vote = vote
+            if step >= args.warm:
+                parts["build"].append(built - began)
+                parts["dispatch"].append(dispatched - built)
+                parts["wait"].append(waited - dispatched)
     del decoder
     mx.clear_cache()
     cell = {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in parts.items()}
     cell["step_ms"] = round(sum(cell.values()), 3)
     cell["tok_s"] = round(len(prefills) * 1e3 / cell["step_ms"], 1)
     return cell
+
+
+@contextmanager
+def separate_linears(model: Any) -> Iterator[None]:
+    """Within: every projection is its own matmul again (the fused weights stay, unused)."""
+    from ring_worker.fused_linears import QKV, FusedMLP, mlx_lm_attention
+
+    saved = [(layer, layer.mlp, mlx_lm_attention(layer.self_attn)) for layer in model.layers]
+    qkv = [getattr(attn, QKV, None) for _, _, attn in saved]
+    for layer, mlp, attn in saved:
+        setattr(attn, QKV, None)
+        if isinstance(mlp, FusedMLP):
+            layer.mlp = mlp.inner
+    try:
+        yield
+    finally:
+        for (layer, mlp, attn), fused in zip(saved, qkv, strict=True):
+            layer.mlp = mlp
+            setattr(attn, QKV, fused)
+
+
+def fusion_summary(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (rows, kind): the median step over repeats, fused and separate, and their ratio."""
+    cells: dict[tuple[int, str], dict[str, list[float]]] = {}
+    for step in steps:
+        by = cells.setdefault((step["rows"], step["kind"]), {})
+        by.setdefault(step["linears"], []).append(step["step_ms"])
+    summary = []
+    for (rows, kind), by in cells.items():
+        row: dict[str, Any] = {"rows": rows, "kind": kind}
+        row |= {f"{k}_step_ms": round(statistics.median(v), 3) for k, v in by.items()}
+        if len(by) == 2:
+            row["fused_over_separate"] = round(row["fused_step_ms"] / row["separate_step_ms"], 3)
+        summary.append(row)
+    return summary
 
 
 def time_matmuls(m: int, count: int, dim: int = 4096, out: int = 4096) -> dict[str, Any]:
