@@ -33,10 +33,16 @@ class Fused:
     bias: mx.array | None
     splits: tuple[int, ...]
 
-    def __call__(self, x: mx.array) -> list[mx.array]:
+    def __call__(self, x: mx.array, head_dim: int = 0) -> list[mx.array]:
+        """The outputs; with `head_dim`, each as (..., heads, head_dim), cut along the heads (a
+        view of one contiguous product: no copy for the reshape a split output would need)."""
         y = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
-        bounds = (0, *self.splits, y.shape[-1])
-        return [y[..., start:end] for start, end in itertools.pairwise(bounds)]
+        if not head_dim:
+            bounds = (0, *self.splits, y.shape[-1])
+            return [y[..., start:end] for start, end in itertools.pairwise(bounds)]
+        y = y.reshape(*y.shape[:-1], -1, head_dim)
+        bounds = (0, *(split // head_dim for split in self.splits), y.shape[-2])
+        return [y[..., start:end, :] for start, end in itertools.pairwise(bounds)]
 
 
 def is_decode_step(x: mx.array) -> bool:
@@ -104,10 +110,14 @@ def mlx_lm_attention(module: nn.Module) -> nn.Module:
     return module if inner is None else mlx_lm_attention(inner)
 
 
-def project(attn: nn.Module, x: mx.array) -> list[mx.array]:
-    """q, k and v of `x`: one fused matmul on a decode step where the layer is fused, else the
-    module's three."""
+def project_heads(attn: nn.Module, x: mx.array) -> list[mx.array]:
+    """q, k and v of `x` as (batch, length, heads, head_dim): one fused matmul on a decode step
+    where the layer is fused, else the module's three."""
     qkv: Fused | None = getattr(attn, QKV, None)
     if qkv is not None and is_decode_step(x):
-        return qkv(x)
-    return [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+        return qkv(x, head_dim=attn.q_proj.weight.shape[0] // attn.n_heads)
+    batch, length, _ = x.shape
+    q = attn.q_proj(x).reshape(batch, length, attn.n_heads, -1)
+    k = attn.k_proj(x).reshape(batch, length, attn.n_kv_heads, -1)
+    v = attn.v_proj(x).reshape(batch, length, attn.n_kv_heads, -1)
+    return [q, k, v]

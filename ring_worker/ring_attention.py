@@ -28,7 +28,7 @@ import mlx.nn as nn
 
 from admission.partition import PAST_TILE_TOKENS
 from admission.vocabulary import Exchange, KVLayout
-from ring_worker.fused_linears import project
+from ring_worker.fused_linears import project_heads
 
 KV = tuple[mx.array, mx.array]
 
@@ -148,11 +148,7 @@ def project_qkv(
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Q/K/V of mlx-lm's Llama or Qwen3 attention, RoPE applied at absolute positions (one
     offset, or one per row of a decode batch)."""
-    batch, length, _ = x.shape
-    q, k, v = project(attn, x)
-    q = q.reshape(batch, length, attn.n_heads, -1)
-    k = k.reshape(batch, length, attn.n_kv_heads, -1)
-    v = v.reshape(batch, length, attn.n_kv_heads, -1)
+    q, k, v = project_heads(attn, x)
     if hasattr(attn, "q_norm"):  # Qwen3 normalises per head before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     q = attn.rope(q.transpose(0, 2, 1, 3), offset=offset)
