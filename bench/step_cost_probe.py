@@ -26,7 +26,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from importlib.metadata import version
 from importlib.resources import files
@@ -92,8 +92,12 @@ def main() -> int:
                     )
                     print(json.dumps(report["steps"][-1]), flush=True)
     report["fusion"] = fusion_summary(report["steps"])
+    on_cuda = mx.cuda.is_available()
     print(json.dumps(report["fusion"], indent=1), flush=True)
-    for m in (1, 2, 4, 8, 16, 32) if mx.cuda.is_available() else ():
+    report["ops"] = [cell for rows in (2, 8) for cell in time_ops(rows)] if on_cuda else []
+    for cell in report["ops"]:
+        print(json.dumps(cell), flush=True)
+    for m in (1, 2, 4, 8, 16, 32) if on_cuda else ():
         for out, count in ((4096, 224), (14336, 64)):
             report["matmul"].append(time_matmuls(m, count, out=out))
             print(json.dumps(report["matmul"][-1]), flush=True)
@@ -192,23 +196,18 @@ def time_matmuls(m: int, count: int, dim: int = 4096, out: int = 4096) -> dict[s
 
     exact = (x0.astype(mx.float32) @ weights[0].astype(mx.float32).T).astype(mx.bfloat16)
     error = mx.abs(x0 @ weights[0].T - exact).max().item()
-    samples = []
-    for _ in range(6):
+
+    def graph() -> mx.array:
         x, outs = x0, []
-        began = time.perf_counter()
         for i in range(count):
             y = x @ weights[i % 4].T
             if out == dim:
                 x = y
             else:
                 outs.append(y)
-        result = x if out == dim else mx.stack(outs)
-        built = time.perf_counter()
-        mx.async_eval(result)
-        dispatched = time.perf_counter()
-        mx.eval(result)
-        samples.append((built - began, dispatched - built, time.perf_counter() - dispatched))
-    build, dispatch, wait = (statistics.median(s[i] for s in samples[1:]) for i in range(3))
+        return x if out == dim else mx.stack(outs)
+
+    build, dispatch, wait = time_graph(graph)
     total = build + dispatch + wait
     return {
         "m": m,
@@ -220,6 +219,99 @@ def time_matmuls(m: int, count: int, dim: int = 4096, out: int = 4096) -> dict[s
         "wait_us_each": round(1e6 * wait / count, 2),
         "weight_gb_s": round(count * out * dim * 2 / total / 1e9, 1),
     }
+
+
+def time_graph(graph: Callable[[], Any]) -> tuple[float, float, float]:
+    """Seconds to build `graph()`, dispatch it and wait for it: medians of 5 after one untimed."""
+    import mlx.core as mx
+
+    samples = []
+    for _ in range(6):
+        began = time.perf_counter()
+        result = graph()
+        built = time.perf_counter()
+        mx.async_eval(result)
+        dispatched = time.perf_counter()
+        mx.eval(result)
+        samples.append((built - began, dispatched - built, time.perf_counter() - dispatched))
+    build, dispatch, wait = (statistics.median(s[i] for s in samples[1:]) for i in range(3))
+    return build, dispatch, wait
+
+
+def time_ops(rows: int, layers: int = 32, length: int = 4096) -> list[dict[str, Any]]:
+    """The ops where a decode step over rows of different lengths differs from one over rows of
+    one length, each repeated `layers` times in one graph as a step does (8B shape, bf16, ~4K
+    keys): the K/V store (a scatter at each row's length, or one slice update), the attention
+    (ringq's two kernels, or fused SDPA) and RoPE (one offset per row, or one int)."""
+    import mlx.core as mx
+
+    from ring_worker.rows_attention import kernel_attention
+
+    heads, kv_heads, dim, capacity = 32, 8, 128, length + 256
+    keys, values = (mx.zeros((rows, kv_heads, capacity, dim), mx.bfloat16) for _ in range(2))
+    new_k = mx.random.normal((rows, kv_heads, 1, dim)).astype(mx.bfloat16)
+    q0 = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
+    lengths = [length - 37 * row for row in range(rows)]
+    index, positions = mx.arange(rows), mx.array(lengths)
+    visible = mx.array([n + 1 for n in lengths], dtype=mx.int32)
+    mx.eval(keys, values, new_k, q0, index, positions, visible)
+
+    def store_scatter() -> list[mx.array]:
+        k, v = keys, values
+        for _ in range(layers):
+            k[index, :, positions] = new_k[:, :, 0]
+            v[index, :, positions] = new_k[:, :, 0]
+        return [k, v]
+
+    def store_slice() -> list[mx.array]:
+        k, v = keys, values
+        for _ in range(layers):
+            k[:rows, :, length : length + 1] = new_k
+            v[:rows, :, length : length + 1] = new_k
+        return [k, v]
+
+    def chained(step: Callable[[mx.array], mx.array]) -> Callable[[], mx.array]:
+        def graph() -> mx.array:
+            q = q0
+            for _ in range(layers):
+                q = step(q)
+            return q
+
+        return graph
+
+    ops = {
+        "store_scatter": store_scatter,
+        "store_slice": store_slice,
+        "attend_kernels": chained(
+            lambda q: kernel_attention(q, keys, values, visible, length + 1, dim**-0.5)
+        ),
+        "attend_sdpa": chained(
+            lambda q: mx.fast.scaled_dot_product_attention(
+                q, keys[:, :, : length + 1], values[:, :, : length + 1], scale=dim**-0.5
+            )
+        ),
+        "rope_offsets": chained(
+            lambda q: mx.fast.rope(q, dim, traditional=False, base=5e5, scale=1.0, offset=positions)
+        ),
+        "rope_int": chained(
+            lambda q: mx.fast.rope(q, dim, traditional=False, base=5e5, scale=1.0, offset=length)
+        ),
+    }
+    cells = []
+    for name, graph in ops.items():
+        build, dispatch, wait = time_graph(graph)
+        cells.append(
+            {
+                "op": name,
+                "rows": rows,
+                "per_layer_us": {
+                    "build": round(1e6 * build / layers, 2),
+                    "dispatch": round(1e6 * dispatch / layers, 2),
+                    "wait": round(1e6 * wait / layers, 2),
+                },
+            }
+        )
+    return cells
 
 
 if __name__ == "__main__":
