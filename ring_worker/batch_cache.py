@@ -3,8 +3,8 @@
 mlx-lm's BatchKVCache left-pads: every row writes at one common column, so a sequence longer than
 that column cannot join without re-padding (copying) every row, and the column only ever grows
 while the batch is never empty. Here each row starts at position 0 and holds its own length
-(host-side ints, no device sync): a step writes each row's new K/V at that row's own length (one
-scatter per layer), RoPE takes per-row offsets, and attention reads columns [0, longest + 1) with a
+(host-side ints, no device sync): a step writes each row's new K/V at that row's own length (a
+slice update per row for a few rows, one scatter for more), RoPE takes per-row offsets, and attention reads columns [0, longest + 1) with a
 boolean mask hiding each row's columns past its own length (on CUDA, ring_worker/rows_attention.py
 reads each row's own columns instead, with no mask). Joining copies only the joining
 sequence's K/V into a free row; leaving moves the last row into the freed one.
@@ -21,6 +21,11 @@ from typing import Any
 import mlx.core as mx
 
 LENGTH_STEP_TOKENS = 256  # capacity grows by this many positions, as mlx-lm's KVCache does
+# Up to this many rows a step stores K/V with a slice update per row, above it with one scatter.
+# On an H200 (8B shape, 2 rows at ~4K) a layer's scatter of K and V took 115 us of host time and
+# its two slice updates 14 us (bench.step_cost_probe `ops`, h200-service/step-cost-fused.json):
+# even near 8 rows, and the scatters were most of what a mixed step cost over a uniform one.
+PER_ROW_STORE_MAX_ROWS = 6
 
 
 class Rows:
@@ -123,6 +128,10 @@ class SlotCache:
             at = rows.lengths[0]
             self.keys[:count, :, at:end] = keys
             self.values[:count, :, at:end] = values
+        elif count <= PER_ROW_STORE_MAX_ROWS:
+            for row, at in enumerate(rows.lengths):
+                self.keys[row : row + 1, :, at : at + 1] = keys[row : row + 1]
+                self.values[row : row + 1, :, at : at + 1] = values[row : row + 1]
         else:
             index, positions = rows.index(), rows.offset
             self.keys[index, :, positions] = keys[:, :, 0]
