@@ -6,8 +6,9 @@ while the batch is never empty. Here each row starts at position 0 and holds its
 (host-side ints, no device sync): a step writes each row's new K/V at that row's own length (a
 slice update per row for a few rows, one scatter for more), RoPE takes per-row offsets, and
 attention reads columns [0, longest + 1) with a boolean mask hiding each row's columns past its own
-length (on CUDA, ring_worker/rows_attention.py reads each row's own columns instead, no mask). Joining copies only the joining
-sequence's K/V into a free row; leaving moves the last row into the freed one.
+length (on CUDA, ring_worker/rows_attention.py reads each row's own columns instead, no mask).
+Joining copies only the joining sequence's K/V into a free row; leaving moves the last row into
+the freed one.
 
 When every row has the same length (one sequence, or sequences that joined together) the step is
 mlx-lm's own single-sequence path: an integer offset, one slice update, no mask (fused attention).
