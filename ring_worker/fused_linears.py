@@ -1,14 +1,18 @@
-"""One matmul for a layer's q/k/v projections and one for its gate/up, on decode steps.
+"""One matmul for a layer's q/k/v projections and one for its gate/up, on decode steps of
+several rows.
 
 On CUDA, MLX builds a cuBLASLt matmul on every call: about 23 us of host time at 2 or more rows,
 against 9 us for its gemv at one row. A decode step's matmuls are small, so that host time is
 most of a step, and it is why a second row costs so much more than the first. Fusing takes an
-8B Llama step from 225 matmuls to 129.
+8B Llama step from 225 matmuls to 129. On an H200, side by side in one process, fused steps took
+0.75-0.93x as long at 2-8 rows and 1.0-1.05x at 32, where the device is the bound
+(bench.step_cost_probe; bench/results/h200-service/step-cost-fused.json).
 
 The fused weight is one array, and each projection's weight becomes a row slice of it (a view,
-no copy): the model's parameters, their names and the memory they take stay as they were, and
-the unfused calls (prefill, mlx-lm's own paths) read the same numbers. Only plain `nn.Linear`
-projections of one dtype and the same bias presence are fused; quantised ones are left alone.
+no copy): the parameters' values and the memory they take stay as they were (names gain an
+`inner.` under each wrapped MLP, as under the ring's attention wrapper), and the unfused calls
+(prefill, one row, mlx-lm's own paths) read the same numbers. Only plain `nn.Linear` projections
+of one dtype and the same bias presence are fused; quantised ones are left alone.
 """
 
 from __future__ import annotations
@@ -46,8 +50,11 @@ class Fused:
 
 
 def is_decode_step(x: mx.array) -> bool:
-    """Fused calls serve one token per row: there the host cost of a matmul is most of it."""
-    return x.shape[1] == 1
+    """Fused calls serve decode steps of 2 or more rows (one token each): cuBLASLt's host cost is
+    most of such a matmul. One row runs the projections apart, on MLX's gemv (9 us of host time a
+    call): fused, an H200's one-row step took 1.02-1.09x as long, the extra Python of the cuts
+    outweighing the calls saved (bench/results/batch-decode.md, 2026-12-03)."""
+    return x.shape[1] == 1 and x.shape[0] > 1
 
 
 def fuse(linears: list[nn.Module]) -> Fused | None:
@@ -76,7 +83,7 @@ def fuse(linears: list[nn.Module]) -> Fused | None:
 
 
 class FusedMLP(nn.Module):
-    """Wraps an mlx-lm MLP: decode steps run gate and up as one matmul."""
+    """Wraps an mlx-lm MLP: decode steps of several rows run gate and up as one matmul."""
 
     def __init__(self, inner: nn.Module, gate_up: Fused):
         super().__init__()
