@@ -5,7 +5,7 @@ On CUDA, MLX builds a cuBLASLt matmul on every call: about 23 us of host time at
 against 9 us for its gemv at one row. A decode step's matmuls are small, so that host time is
 most of a step, and it is why a second row costs so much more than the first. Fusing takes an
 8B Llama step from 225 matmuls to 129. On an H200, side by side in one process, fused steps took
-0.75-0.93x as long at 2-8 rows and 1.0-1.05x at 32, where the device is the bound
+0.75-0.98x as long at 2-8 rows and 1.02-1.05x at 32, where the device is the bound
 (bench.step_cost_probe; bench/results/h200-service/step-cost-fused.json).
 
 The fused weight is one array, and each projection's weight becomes a row slice of it (a view,
