@@ -43,7 +43,7 @@ from jobs.settings import Settings, get_settings, max_batch_for
 from jobs.store import JobStore
 from jobs.submit import admit_data, admit_queue, node_queue
 from jobs.warm_groups import WarmGroups
-from jobs.workers import service_worker
+from jobs.workers import DISPATCHER_ROLE, service_worker
 
 log = logging.getLogger(__name__)
 _dispatcher: "Dispatcher | None" = None  # one per dispatcher process, built on first use
@@ -66,7 +66,7 @@ def serve(conn: redis.Redis, settings: Settings) -> None:
     import_tokenizers()
     reconciler = Reconciler(conn, settings).start()
     try:
-        service_worker(admit_queue(conn), conn, "dispatcher").work(logging_level="WARNING")
+        service_worker(admit_queue(conn), conn, DISPATCHER_ROLE).work(logging_level="WARNING")
     finally:
         reconciler.stop()
 

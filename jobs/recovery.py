@@ -35,6 +35,7 @@ from jobs.schemas import (
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import admit_data, admit_queue
+from jobs.workers import DISPATCHER_ROLE, died_here
 
 log = logging.getLogger(__name__)
 GROUP_FAILED_TTL_S = 3600
@@ -233,11 +234,28 @@ def rescue_dequeued(queue: Queue) -> list[str]:
     return rescued
 
 
+def expire_admissions_of_dead_dispatchers(queue: Queue) -> list[str]:
+    """An admission started by a dispatcher of this host whose process is gone is expired now,
+    so the registry's cleanup retries it at once rather than after its timeout (RQ's only
+    sign otherwise: ADMIT_TIMEOUT_S + HEARTBEAT_MARGIN_S, 65 s). Returns the admissions."""
+    registry = queue.started_job_registry
+    expired = []
+    for member in registry.connection.zrange(registry.key, 0, -1):
+        entry = member.decode() if isinstance(member, bytes) else str(member)
+        job = queue.fetch_job(entry.split(":", 1)[0])
+        if job is not None and job.worker_name and died_here(job.worker_name, DISPATCHER_ROLE):
+            registry.connection.zadd(registry.key, {entry: 0}, xx=True)
+            expired.append(job.id)
+            log.warning("admission %s: its dispatcher (%s) died: retried", job.id, job.worker_name)
+    return expired
+
+
 def reconcile(conn: redis.Redis, settings: Settings) -> list[str]:
     """One pass; returns the ids of the groups it found lost."""
     forget_dead_warm_groups(conn)
     # Admissions whose dispatcher died mid-job: RQ retries them (admission is idempotent).
     queue = admit_queue(conn)
+    expire_admissions_of_dead_dispatchers(queue)
     StartedJobRegistry(queue=queue).cleanup()
     rescue_dequeued(queue)
     store = JobStore(conn, settings.job_ttl_s)

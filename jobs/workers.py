@@ -1,16 +1,19 @@
 """The RQ worker every ringq service runs: no fork, JSON only, and a short heartbeat so that a
 job whose service died (kill -9) is found abandoned and retried within seconds of its timeout,
-not minutes."""
+not minutes. Its name says its role, host and pid, so that the reconciler can retry at once an
+admission whose dispatcher on this host is gone (jobs/recovery.py)."""
 
 import os
 import socket
 
+import psutil
 import redis
 from rq import Queue, SimpleWorker
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
 HEARTBEAT_MARGIN_S = 5
+DISPATCHER_ROLE = "dispatcher"
 
 
 class ServiceWorker(SimpleWorker):
@@ -25,5 +28,23 @@ def service_worker(queue: Queue, conn: redis.Redis, role: str) -> ServiceWorker:
         [queue],
         connection=conn,
         serializer=JSONSerializer,
-        name=f"ringq-{role}-{socket.gethostname()}-{os.getpid()}",
+        name=worker_name(role, socket.gethostname(), os.getpid()),
     )
+
+
+def worker_name(role: str, host: str, pid: int) -> str:
+    return f"ringq-{role}-{host}-{pid}"
+
+
+def died_here(name: str, role: str) -> bool:
+    """Whether `name` is a `role` worker of this host whose process is gone (or a zombie). A
+    worker of another host, or a name that is not ours, cannot be told: False."""
+    prefix = f"ringq-{role}-{socket.gethostname()}-"
+    if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
+        return False
+    try:
+        return psutil.Process(int(name[len(prefix) :])).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # another user's process: alive
+        return False

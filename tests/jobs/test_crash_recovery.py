@@ -130,7 +130,8 @@ def test_a_killed_dispatcher_loses_no_job_after_a_restart(crash_cluster, store, 
     )
     os.kill(child_pid(crash_cluster, "dispatcher"), signal.SIGKILL)
     crash_cluster.restart("dispatcher")
-    # an admission cut short by the kill is found abandoned by RQ after its timeout (65 s)
+    # an admission cut short by the kill is retried as soon as the reconciler sees its
+    # dispatcher gone (jobs/recovery.py); without that, after its timeout (65 s)
     for job in jobs:
         finished(store, job.id, timeout_s=180)
         assert completions_of_finished(crash_cluster, job.id) == 1

@@ -3,6 +3,7 @@ reconciler's checks (dead nodes, unrenewed leases). The kills of real processes 
 are in test_crash_recovery.py."""
 
 import json
+import os
 import time
 
 import pytest
@@ -325,3 +326,73 @@ def test_an_unreadable_failure_record_fails_the_job_and_says_so(store, settings)
     final = store.get(job)
     assert final.state == JobState.FAILED and "unreadable failure record" in (final.error or "")
     assert admissions(store) == []
+
+
+DISPATCHER_STAND_IN = """
+import sys
+from jobs.redis_server import connect
+from jobs.submit import admit_queue
+from jobs.workers import DISPATCHER_ROLE, service_worker
+conn = connect(sys.argv[1])
+service_worker(admit_queue(conn), conn, DISPATCHER_ROLE).work(burst=True)
+"""
+
+
+def test_an_admission_whose_dispatcher_was_killed_is_retried_at_once(redis_url, store):
+    """A real RQ worker named as a dispatcher starts an admission and is killed: the reconciler
+    expires its entry at once (not after the admission's 65 s), and RQ's cleanup retries it."""
+    import subprocess
+    import sys
+
+    from rq import Queue, Retry
+
+    from jobs.recovery import expire_admissions_of_dead_dispatchers
+    from jobs.submit import admit_queue
+
+    queue = admit_queue(store.conn)
+    queue.enqueue_many(
+        [Queue.prepare_data("time.sleep", (60,), job_id="admit-j1", timeout=60, retry=Retry(3))]
+    )
+    worker = subprocess.Popen([sys.executable, "-c", DISPATCHER_STAND_IN, redis_url])
+    try:
+        deadline = time.monotonic() + 60
+        while "admit-j1" not in queue.started_job_registry.get_job_ids(cleanup=False):
+            assert time.monotonic() < deadline and worker.poll() is None, "never started"
+            time.sleep(0.05)
+        assert expire_admissions_of_dead_dispatchers(queue) == []  # its dispatcher lives
+        worker.kill()
+        worker.wait()
+        assert expire_admissions_of_dead_dispatchers(queue) == ["admit-j1"]
+    finally:
+        worker.kill()
+        worker.wait()
+    queue.started_job_registry.cleanup()
+    assert queue.job_ids == ["admit-j1"]  # retried: back on the queue
+    assert queue.started_job_registry.get_job_ids(cleanup=False) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "gone"),
+    [
+        ("ringq-dispatcher-elsewhere-1", False),  # another host: cannot be told
+        ("rq:worker:abc", False),  # not ours
+        ("ringq-node-{host}-{pid}", False),  # another role
+        ("ringq-dispatcher-{host}-{pid}", False),  # this very process: alive
+        ("ringq-dispatcher-{host}-{dead}", True),
+    ],
+)
+def test_died_here(name, gone):
+    import socket
+    import subprocess
+    import sys
+
+    from jobs.workers import DISPATCHER_ROLE, died_here
+
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    name = name.format(host=socket.gethostname(), pid=os.getpid(), dead=finished.stdout.strip())
+    assert died_here(name, DISPATCHER_ROLE) is gone
