@@ -39,11 +39,11 @@ def worker_name(role: str, host: str, pid: int) -> str:
 def died_here(name: str, role: str) -> bool:
     """Whether `name` is a `role` worker of this host whose process is gone (or a zombie). A
     worker of another host, or a name that is not ours, cannot be told: False."""
-    prefix = f"ringq-{role}-{socket.gethostname()}-"
-    if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
+    pid = name.rpartition("-")[2]
+    if not pid.isdigit() or name != worker_name(role, socket.gethostname(), int(pid)):
         return False
     try:
-        return psutil.Process(int(name[len(prefix) :])).status() == psutil.STATUS_ZOMBIE
+        return psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
     except psutil.Error:  # another user's process: alive

@@ -49,7 +49,7 @@ class Fused:
         return [y[..., start:end, :] for start, end in itertools.pairwise(bounds)]
 
 
-def is_decode_step(x: mx.array) -> bool:
+def runs_fused(x: mx.array) -> bool:
     """Fused calls serve decode steps of 2 or more rows (one token each): cuBLASLt's host cost is
     most of such a matmul. One row runs the projections apart, on MLX's gemv (9 us of host time a
     call): fused, an H200's one-row step took 1.02-1.09x as long, the extra Python of the cuts
@@ -91,7 +91,7 @@ class FusedMLP(nn.Module):
         self._gate_up = gate_up
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not is_decode_step(x):
+        if not runs_fused(x):
             return self.inner(x)
         gate, up = self._gate_up(x)
         return self.inner.down_proj(swiglu(gate, up))
@@ -121,7 +121,7 @@ def project_heads(attn: nn.Module, x: mx.array) -> list[mx.array]:
     """q, k and v of `x` as (batch, length, heads, head_dim): one fused matmul on a decode step
     where the layer is fused, else the module's three."""
     qkv: Fused | None = getattr(attn, QKV, None)
-    if qkv is not None and is_decode_step(x):
+    if qkv is not None and runs_fused(x):
         return qkv(x, head_dim=attn.q_proj.weight.shape[0] // attn.n_heads)
     batch, length, _ = x.shape
     q = attn.q_proj(x).reshape(batch, length, attn.n_heads, -1)
