@@ -11,10 +11,13 @@ Run it once per MLX setting to compare (each is read once per process), for inst
    different lengths (the mixed-length path) and, for comparison, rows of one length. Each cell
    runs `--warm` steps untimed, then `--steps` timed, every step evaluated before the next is
    built (so the three parts add up; the service overlaps build with the previous step's
-   compute). Where the decoder fused the linears (ring_worker/fused_linears.py, CUDA), every
-   cell also runs with the calls going around the fused weights ("separate"), the two
-   alternating `--repeats` times: the host's speed drifts between runs on a shared machine,
-   so only side-by-side cells compare.
+   compute), then `--steps` more as the service runs them (`BatchDecoder.step`: each step
+   queued before the previous one's tokens are read), `pipelined_ms`. Where the decoder fused
+   the linears (ring_worker/fused_linears.py, CUDA), every cell runs once per `--linears`
+   variant, the variants alternating `--repeats` times (the host's speed drifts between runs on
+   a shared machine, so only side-by-side cells compare): "skinny" as the decoder runs (fused,
+   2 to SKINNY_MAX_ROWS rows on MLX's gemv), "cublas" (fused, every product of several rows
+   on cuBLASLt) and "separate" (the calls go around the fused weights).
 2. One linear layer's matmul, M rows x dims -> out in bf16 (224 chained at 4096 -> 4096, the 8B
    shape's matmuls per step; 64 at 4096 -> 14336, where the device is the bound): host time to
    build and dispatch it, per matmul (gemv at M = 1, cuBLASLt above), and `weight_gb_s`, how
@@ -44,6 +47,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--warm", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--linears", default="skinny,cublas", help="variants, first compared")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -83,7 +87,7 @@ def main() -> int:
                 continue  # one row is uniform already
             cell = prefills[:count] if kind == "mixed" else [uniform] * count
             for repeat in range(args.repeats):
-                for linears in ("fused", "separate"):
+                for linears in args.linears.split(","):
                     timed = time_steps(engine, cell, args, linears)
                     if timed is None:
                         continue
@@ -91,9 +95,9 @@ def main() -> int:
                         {"rows": count, "kind": kind, "linears": linears, "repeat": repeat, **timed}
                     )
                     print(json.dumps(report["steps"][-1]), flush=True)
-    report["fusion"] = fusion_summary(report["steps"])
+    report["variants"] = variant_summary(report["steps"], args.linears.split(","))
     on_cuda = mx.cuda.is_available()
-    print(json.dumps(report["fusion"], indent=1), flush=True)
+    print(json.dumps(report["variants"], indent=1), flush=True)
     report["ops"] = [cell for rows in (2, 8) for cell in time_ops(rows)] if on_cuda else []
     for cell in report["ops"]:
         print(json.dumps(cell), flush=True)
@@ -109,22 +113,24 @@ def main() -> int:
 def time_steps(
     engine: Any, prefills: list[Any], args: argparse.Namespace, linears: str
 ) -> dict[str, Any] | None:
-    """One cell; None for "fused" where the decoder fused nothing (no GPU)."""
+    """One cell; None for a fused variant where the decoder fused nothing (no GPU)."""
     import mlx.core as mx
 
     from ring_worker.batch_decode import BatchDecoder, DecodeRequest
     from ring_worker.fused_linears import FusedMLP
 
     decoder = BatchDecoder(engine, max_batch=len(prefills))
-    if linears == "fused" and not any(isinstance(x.mlp, FusedMLP) for x in engine.model.layers):
+    fused = any(isinstance(x.mlp, FusedMLP) for x in engine.model.layers)
+    if linears != "separate" and not fused:
         return None
-    total = args.warm + args.steps + 2
+    total = args.warm + 2 * args.steps + 4
     for index, prefill in enumerate(prefills):
         decoder.add(DecodeRequest(str(index), total), prefill)
     mx.eval(decoder._vote)
     parts: dict[str, list[float]] = {"build": [], "dispatch": [], "wait": []}
     real_async_eval = mx.async_eval
-    with separate_linears(engine.model) if linears == "separate" else nullcontext():
+    ends = []
+    with variant(engine.model, linears):
         for step in range(args.warm + args.steps):
             mx.async_eval = lambda *_: None
             began = time.perf_counter()
@@ -142,12 +148,41 @@ def time_steps(
                 parts["build"].append(built - began)
                 parts["dispatch"].append(dispatched - built)
                 parts["wait"].append(waited - dispatched)
+        for _ in range(args.steps + 1):
+            decoder.step()
+            ends.append(time.perf_counter())
     del decoder
     mx.clear_cache()
     cell = {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in parts.items()}
     cell["step_ms"] = round(sum(cell.values()), 3)
+    pipelined = statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False))
+    cell["pipelined_ms"] = round(1e3 * pipelined, 3)
     cell["tok_s"] = round(len(prefills) * 1e3 / cell["step_ms"], 1)
     return cell
+
+
+def variant(model: Any, linears: str) -> Any:
+    """The context a `--linears` variant runs in."""
+    if linears == "separate":
+        return separate_linears(model)
+    if linears == "cublas":
+        return skinny_rows(1)
+    if linears == "skinny":
+        return nullcontext()
+    raise ValueError(f"unknown --linears variant {linears!r}")
+
+
+@contextmanager
+def skinny_rows(most: int) -> Iterator[None]:
+    """Within: rows_matmul runs products of at most `most` rows on MLX's gemv."""
+    from ring_worker import fused_linears
+
+    saved = fused_linears.SKINNY_MAX_ROWS
+    fused_linears.SKINNY_MAX_ROWS = most
+    try:
+        yield
+    finally:
+        fused_linears.SKINNY_MAX_ROWS = saved
 
 
 @contextmanager
@@ -169,18 +204,24 @@ def separate_linears(model: Any) -> Iterator[None]:
             setattr(attn, QKV, fused)
 
 
-def fusion_summary(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (rows, kind): the median step over repeats, fused and separate, and their ratio."""
-    cells: dict[tuple[int, str], dict[str, list[float]]] = {}
+def variant_summary(steps: list[dict[str, Any]], variants: list[str]) -> list[dict[str, Any]]:
+    """Per (rows, kind): each variant's median step (serialized and pipelined) over repeats, and
+    the first variant's over each other's."""
+    cells: dict[tuple[int, str], dict[str, list[dict[str, Any]]]] = {}
     for step in steps:
         by = cells.setdefault((step["rows"], step["kind"]), {})
-        by.setdefault(step["linears"], []).append(step["step_ms"])
+        by.setdefault(step["linears"], []).append(step)
     summary = []
     for (rows, kind), by in cells.items():
         row: dict[str, Any] = {"rows": rows, "kind": kind}
-        row |= {f"{k}_step_ms": round(statistics.median(v), 3) for k, v in by.items()}
-        if len(by) == 2:
-            row["fused_over_separate"] = round(row["fused_step_ms"] / row["separate_step_ms"], 3)
+        for name, found in by.items():
+            for part in ("step_ms", "pipelined_ms"):
+                row[f"{name}_{part}"] = round(statistics.median(s[part] for s in found), 3)
+        first = variants[0]
+        for other in variants[1:]:
+            if first in by and other in by:
+                ratio = row[f"{first}_pipelined_ms"] / row[f"{other}_pipelined_ms"]
+                row[f"{first}_over_{other}"] = round(ratio, 3)
         summary.append(row)
     return summary
 
