@@ -15,9 +15,8 @@ Run it once per MLX setting to compare (each is read once per process), for inst
    queued before the previous one's tokens are read), `pipelined_ms`. Where the decoder fused
    the linears (ring_worker/fused_linears.py, CUDA), every cell runs once per `--linears`
    variant, the variants alternating `--repeats` times (the host's speed drifts between runs on
-   a shared machine, so only side-by-side cells compare): "skinny" as the decoder runs (fused,
-   2 to SKINNY_MAX_ROWS rows on MLX's gemv), "cublas" (fused, every product of several rows
-   on cuBLASLt) and "separate" (the calls go around the fused weights).
+   a shared machine, so only side-by-side cells compare): "fused" as the decoder runs, and
+   "separate" (the calls go around the fused weights).
 2. One linear layer's matmul, M rows x dims -> out in bf16 (224 chained at 4096 -> 4096, the 8B
    shape's matmuls per step; 64 at 4096 -> 14336, where the device is the bound): host time to
    build and dispatch it, per matmul (gemv at M = 1, cuBLASLt above), and `weight_gb_s`, how
@@ -47,7 +46,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--warm", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--linears", default="skinny,cublas", help="variants, first compared")
+    parser.add_argument("--linears", default="fused,separate", help="variants, first compared")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -165,24 +164,9 @@ def variant(model: Any, linears: str) -> Any:
     """The context a `--linears` variant runs in."""
     if linears == "separate":
         return separate_linears(model)
-    if linears == "cublas":
-        return skinny_rows(1)
-    if linears == "skinny":
+    if linears == "fused":
         return nullcontext()
     raise ValueError(f"unknown --linears variant {linears!r}")
-
-
-@contextmanager
-def skinny_rows(most: int) -> Iterator[None]:
-    """Within: rows_matmul runs products of at most `most` rows on MLX's gemv."""
-    from ring_worker import fused_linears
-
-    saved = fused_linears.SKINNY_MAX_ROWS
-    fused_linears.SKINNY_MAX_ROWS = most
-    try:
-        yield
-    finally:
-        fused_linears.SKINNY_MAX_ROWS = saved
 
 
 @contextmanager

@@ -8,11 +8,6 @@ most of a step, and it is why a second row costs so much more than the first. Fu
 0.75-0.98x as long at 2-8 rows and 1.02-1.05x at 32, where the device is the bound
 (bench.step_cost_probe; bench/results/h200-service/step-cost-fused.json).
 
-Decode steps of 2 to SKINNY_MAX_ROWS rows multiply through MLX's gemv instead (`rows_matmul`):
-one matrix-vector product per output, that output's weight row against every row of x. MLX
-dispatches its gemv from C++ (about 9 us of host time) and each weight row is read once, by up
-to 8 warps of one block.
-
 The fused weight is one array, and each projection's weight becomes a row slice of it (a view,
 no copy): the parameters' values and the memory they take stay as they were (names gain an
 `inner.` under each wrapped MLP, as under the ring's attention wrapper), and the unfused calls
@@ -30,8 +25,6 @@ import mlx.nn as nn
 from mlx_lm.models import llama, qwen3
 from mlx_lm.models.activations import swiglu
 
-SKINNY_MAX_ROWS = 8  # rows_matmul's gemv: its kernel's blocks dot one weight row with 8 rows
-GEMV_MAX_OUTPUTS = 65535  # the gemv's batch (here: the outputs) is its CUDA grid's y dimension
 QKV = "fused_qkv"  # attribute of an mlx-lm attention module that holds its Fused q/k/v
 MLP_TYPES = (llama.MLP, qwen3.MLP)  # down_proj(swiglu(gate_proj(x), up_proj(x)))
 
@@ -47,34 +40,13 @@ class Fused:
     def __call__(self, x: mx.array, head_dim: int = 0) -> list[mx.array]:
         """The outputs; with `head_dim`, each as (..., heads, head_dim), cut along the heads (a
         view of one contiguous product: no copy for the reshape a split output would need)."""
-        y = rows_matmul(x, self.weight, self.bias)
+        y = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
         if not head_dim:
             bounds = (0, *self.splits, y.shape[-1])
             return [y[..., start:end] for start, end in itertools.pairwise(bounds)]
         y = y.reshape(*y.shape[:-1], -1, head_dim)
         bounds = (0, *(split // head_dim for split in self.splits), y.shape[-2])
         return [y[..., start:end, :] for start, end in itertools.pairwise(bounds)]
-
-
-def rows_matmul(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-    """x @ weight.T (+ bias). A decode step of 2 to SKINNY_MAX_ROWS rows (x (rows, 1, inputs))
-    runs as a batch of matrix-vector products, one per output (x's rows against that output's
-    weight row): MLX's gemv, where the (rows, inputs) x (inputs, outputs) product would build a
-    cuBLASLt matmul. Anything else is the plain product."""
-    rows, length, inputs = x.shape
-    outputs = weight.shape[0]
-    if length != 1 or not 2 <= rows <= SKINNY_MAX_ROWS or outputs > GEMV_MAX_OUTPUTS:
-        return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
-    y = mx.matmul(x.reshape(rows, inputs), weight.reshape(outputs, inputs, 1))
-    y = y.reshape(outputs, rows).T.reshape(rows, 1, outputs)
-    return y if bias is None else y + bias
-
-
-def linear(module: nn.Module, x: mx.array) -> mx.array:
-    """`module(x)`, through `rows_matmul` where the module is a plain `nn.Linear`."""
-    if type(module) is not nn.Linear:
-        return module(x)
-    return rows_matmul(x, module.weight, module.get("bias"))
 
 
 def runs_fused(x: mx.array) -> bool:
@@ -122,7 +94,7 @@ class FusedMLP(nn.Module):
         if not runs_fused(x):
             return self.inner(x)
         gate, up = self._gate_up(x)
-        return linear(self.inner.down_proj, swiglu(gate, up))
+        return self.inner.down_proj(swiglu(gate, up))
 
 
 def fuse_layers(model: nn.Module) -> bool:

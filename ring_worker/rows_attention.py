@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ring_worker.batch_cache import SlotCache
-from ring_worker.fused_linears import linear, mlx_lm_attention
+from ring_worker.fused_linears import mlx_lm_attention
 from ring_worker.ring_attention import project_qkv
 
 Attend = Callable[[mx.array, mx.array, mx.array, mx.array, int, float], mx.array]
@@ -366,7 +366,7 @@ class RowsAttention(nn.Module):
                 q, cache.keys, cache.values, rows.visible(), rows.longest + 1, attn.scale
             )
         out = out.astype(x.dtype).transpose(0, 2, 1, 3)
-        return linear(attn.o_proj, out.reshape(x.shape[0], x.shape[1], -1))
+        return attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
 
 
 def install_rows_attention(model: nn.Module, attend: Attend | None = None) -> bool:

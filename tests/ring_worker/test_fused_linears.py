@@ -70,15 +70,3 @@ def test_what_cannot_share_a_matmul_is_left_alone(tiny_model_dir):
     nn.quantize(model, group_size=32)
     assert not fuse_layers(model)
     assert not any(isinstance(layer.mlp, FusedMLP) for layer in model.layers)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_rows_matmul_is_the_plain_product(rows, with_bias):
-    """As matrix-vector products (2 to SKINNY_MAX_ROWS rows) or plainly, the same numbers."""
-    x, weight = mx.random.normal((rows, 1, 256)), mx.random.normal((96, 256))
-    bias = mx.random.normal((96,)) if with_bias else None
-    plain = x @ weight.T + (0 if bias is None else bias)
-    have = fused_linears.rows_matmul(x, weight, bias)
-    assert have.shape == (rows, 1, 96)
-    assert mx.allclose(have, plain, atol=1e-4).item()
