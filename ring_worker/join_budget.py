@@ -14,18 +14,13 @@ within its deadline; the admitted ones count as members for the next. A member a
 every join back until it leaves: each join would make it later still. A waiting job's own
 deadline never keeps it out: joining later only finishes it later.
 
-The times are the group's own: step seconds per row count (exponential averages of the steps it
-ran), and prompt tokens per second of its prefills. Before a row count has run, its GPU warm-up's
-time stands for it (measured at 1, 2 and 4 rows of a few tokens), scaled by what the group's own
-steps took against the warm-up at the most rows both have: on an H200 the warm-up's rows of 8-24
-tokens stepped in 4.3 ms at one row where the service's 4K-token rows took ~6.8 ms, and its 4 rows
-(8.2 ms) ran faster than its 2 (9.9 ms), so unscaled it let 5 jobs join job 0 and that job
-finished at 1.95x. A row count neither seen nor warmed up is on the line through the two known
-nearest to it; with only one known (the CPU, which has no warm-up), an added row costs
-PRIOR_ROW_SHARE of a one-row step. No estimate is below what fewer rows take. Measured: a
-second row +44 % and each next +23 % on the CPU (SmolLM2, 51 -> 73 -> 120 ms at 1, 2, 7 rows);
-on an H200 (8B, bf16) a second row +56 %, then ~+0.2 ms a row (7.2 -> 11.2 -> 18.5 ms at 1, 2,
-32 rows): there the prior admitted a second job too early, hence the warm-up.
+The times are the group's own: step seconds per row count (exponential averages, starting from
+what its GPU warm-up measured at 1, 2 and 4 rows, where it ran), and prompt tokens per second of
+its prefills. A row count not seen yet is on the line through the two seen nearest to it; with
+only one seen (the CPU, which has no warm-up), an added row costs PRIOR_ROW_SHARE of a one-row
+step. Measured: a second row +44 % and each next +23 % on the CPU (SmolLM2, 51 -> 73 -> 120 ms at
+1, 2, 7 rows); on an H200 (8B, bf16) a second row +56 %, then ~+0.2 ms a row (7.2 -> 11.2 ->
+18.5 ms at 1, 2, 32 rows): there the prior admitted a second job too early, hence the warm-up.
 """
 
 import math
@@ -51,7 +46,6 @@ class GroupTimes:
     """What this group has measured of its own steps and prefills."""
 
     step_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds per step
-    warm_up_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds, at warm-up
     prefill_tok_s: float | None = None
     steps_seen: int = 0
 
@@ -68,37 +62,19 @@ class GroupTimes:
             self.prefill_tok_s = _averaged(self.prefill_tok_s, tokens / seconds)
 
     def step(self, rows: int) -> float:
-        """Seconds per step at `rows` rows (0.0 before any step was seen or warmed up): as seen,
-        else the warm-up's (scaled to the steps seen), else on the line through the two row
-        counts known nearest to it, else (one known) at PRIOR_ROW_SHARE of a one-row step per
-        row; never below a known time of fewer rows."""
-        if rows in self.step_s:
-            return self.step_s[rows]
-        known = self._scaled_warm_up() | self.step_s
-        if not known:
-            return 0.0
-        if rows in known:
-            estimate = known[rows]
+        """Seconds per step at `rows` rows (0.0 before any step was seen): as seen, else on
+        the line through the two row counts seen nearest to it, else (one seen) at
+        PRIOR_ROW_SHARE of a one-row step per row."""
+        if rows in self.step_s or not self.step_s:
+            return self.step_s.get(rows, 0.0)
+        near = sorted(self.step_s, key=lambda n: (abs(n - rows), n))[:2]
+        seen = near[0]
+        if len(near) == 2:
+            other = near[1]
+            per_row = (self.step_s[other] - self.step_s[seen]) / (other - seen)
         else:
-            near = sorted(known, key=lambda n: (abs(n - rows), n))[:2]
-            seen = near[0]
-            if len(near) == 2:
-                other = near[1]
-                per_row = (known[other] - known[seen]) / (other - seen)
-            else:
-                per_row = known[seen] * PRIOR_ROW_SHARE / (1 + PRIOR_ROW_SHARE * (seen - 1))
-            estimate = known[seen] + (rows - seen) * max(per_row, 0.0)
-        return max([estimate, *(s for n, s in known.items() if n < rows)])
-
-    def _scaled_warm_up(self) -> dict[int, float]:
-        """The warm-up's times, times what the group's steps took over the warm-up's at the
-        most rows both know."""
-        shared = [n for n in self.warm_up_s if n in self.step_s]
-        if not shared:
-            return dict(self.warm_up_s)
-        most = max(shared)
-        scale = self.step_s[most] / self.warm_up_s[most]
-        return {n: s * scale for n, s in self.warm_up_s.items()}
+            per_row = self.step_s[seen] * PRIOR_ROW_SHARE / (1 + PRIOR_ROW_SHARE * (seen - 1))
+        return max(self.step_s[seen], self.step_s[seen] + (rows - seen) * max(per_row, 0.0))
 
     def prefill(self, tokens: int) -> float:
         """Seconds to prefill `tokens` (0.0 before any prefill was seen)."""
@@ -116,13 +92,12 @@ class JoinBudget:
 
     def __init__(self, slowdown: float | None, step_s: dict[int, float] | None = None):
         """`slowdown` None: no bound (every waiting job is admitted). `step_s`: seconds per step
-        by row count measured before the group's first job (its GPU warm-up), which stand for a
-        row count until it has run; they count as no step seen, so deadlines still settle on the
-        group's own."""
+        by row count measured before the group's first job (its GPU warm-up), the start of its
+        averages; they count as no step seen, so deadlines still settle on the group's own."""
         if slowdown is not None and slowdown < 1:
             raise ValueError(f"slowdown must be at least 1, got {slowdown}")
         self.slowdown = slowdown
-        self.times = GroupTimes(warm_up_s=dict(step_s or {}))
+        self.times = GroupTimes(step_s=dict(step_s or {}))
         self.deadlines: dict[str, float] = {}
         self._arrived: list[tuple[Waiting, float | None]] = []  # deadlines not fixed yet
         self._seen: set[str] = set()

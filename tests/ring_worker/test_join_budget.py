@@ -131,20 +131,3 @@ def test_warm_up_step_times_hold_a_join_the_prior_would_admit():
     assert joins({1: 0.0072}) == 1
     assert joins({1: 0.0072, 2: 0.0112}) == 0
     assert not JoinBudget(1.5, {1: 0.0072, 2: 0.0112}).times.settled  # seeds are not steps seen
-
-
-def test_warm_up_times_are_scaled_to_the_steps_seen_and_never_fall_with_rows():
-    """The H200 service's warm-up (rows of 8-24 tokens): 4.3 ms at one row, 9.85 at two, 8.16
-    at four. Its 4K-token rows then step in 6.8 ms at one row: the warm-up's times scale by
-    6.8 / 4.3, and no row count is estimated below a smaller one."""
-    times = JoinBudget(1.5, {1: 0.0043, 2: 0.00985, 4: 0.00816}).times
-    assert times.step(1) == pytest.approx(0.0043)
-    assert times.step(5) == pytest.approx(0.00985)  # not 4 rows' 8.16 ms: two rows take more
-    times.saw_step(1, 0.0068)
-    scale = 0.0068 / 0.0043
-    assert times.step(1) == pytest.approx(0.0068)
-    assert times.step(2) == pytest.approx(0.00985 * scale)
-    assert times.step(4) == pytest.approx(0.00985 * scale)  # 4 rows' 8.16 x scale is below it
-    times.saw_step(4, 0.013)  # now 4 rows ran: the scale is taken there
-    assert times.step(4) == pytest.approx(0.013)
-    assert times.step(2) == pytest.approx(0.00985 * 0.013 / 0.00816)
