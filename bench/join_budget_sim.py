@@ -7,8 +7,10 @@ for a burst of jobs submitted together, against joining every job at once.
 Times per cell (measured through the service, bench/results/batch-decode.md): CPU SmolLM2, a
 500-token prefill 2.36 s and a decode step 85 ms + 8.3 ms per added row, 64 tokens a job; H200
 8B shape, a 4K prefill 0.12 s and a step 5.5 ms + 0.49 ms per added row (engine level: the
-service's mixed-length steps are slower, host-bound), 256 tokens. The group learns its times as
-the service's does (JoinBudget.times: every step and prefill it runs). One at a time is the sum
+service's mixed-length steps are slower, host-bound), 256 tokens; and `h200-8b-service`, the
+service's own steps (H200_SERVICE_STEPS: a second row of another length +56 %) with its group's
+warm-up times as the budget's start. The group learns its times as the service's does
+(JoinBudget.times: every step and prefill it runs). One at a time is the sum
 of each job's prefill and one-row steps, in queue order. Prints one line per cell.
 """
 
@@ -19,11 +21,34 @@ from ring_worker.join_budget import JoinBudget, Waiting
 
 PROMPT_TOKENS = 1000  # the modelled prefill time stands for any length
 
-CELLS = [  # name, jobs, prefill s, step s(rows), max_tokens, max_batch
-    ("cpu-smollm2", 8, 2.36, lambda n: 0.085 + 0.0083 * (n - 1), 64, 8),
-    ("cpu-smollm2", 64, 2.36, lambda n: 0.085 + 0.0083 * (n - 1), 64, 8),
-    ("h200-8b", 32, 0.12, lambda n: 0.0055 + 0.00049 * (n - 1), 256, 32),
-    ("h200-8b", 256, 0.12, lambda n: 0.0055 + 0.00049 * (n - 1), 256, 32),
+
+def measured(points: dict[int, float]) -> Callable[[int], float]:
+    """Seconds per step at n rows on the straight lines between measured row counts."""
+    rows = sorted(points)
+
+    def step_s(n: int) -> float:
+        low = max((r for r in rows if r <= n), default=rows[0])
+        high = min((r for r in rows if r >= n), default=rows[-1])
+        if low == high:
+            return points[low]
+        return points[low] + (points[high] - points[low]) * (n - low) / (high - low)
+
+    return step_s
+
+
+# The H200 service's steps (8B, ~4K-token rows of different lengths), as the service runs them
+# (queued before the previous step's tokens are read): bench.step_cost_probe's `pipelined_ms`,
+# fused linears on cuBLASLt, 2026-12-03 (h200-service/step-cost-skinny-gemv.json, "cublas"; 32
+# rows from the defaults batch's rank log), and that group's warm-up times (rows of 8-24 tokens).
+H200_SERVICE_STEPS = measured({1: 0.0070, 2: 0.0109, 4: 0.0139, 8: 0.0134, 16: 0.0155, 32: 0.019})
+H200_SERVICE_WARM_UP = {1: 0.0043, 2: 0.00985, 4: 0.00816}
+
+CELLS = [  # name, jobs, prefill s, step s(rows), max_tokens, max_batch, warm-up step times
+    ("cpu-smollm2", 8, 2.36, lambda n: 0.085 + 0.0083 * (n - 1), 64, 8, None),
+    ("cpu-smollm2", 64, 2.36, lambda n: 0.085 + 0.0083 * (n - 1), 64, 8, None),
+    ("h200-8b", 32, 0.12, lambda n: 0.0055 + 0.00049 * (n - 1), 256, 32, None),
+    ("h200-8b", 256, 0.12, lambda n: 0.0055 + 0.00049 * (n - 1), 256, 32, None),
+    ("h200-8b-service", 32, 0.12, H200_SERVICE_STEPS, 256, 32, H200_SERVICE_WARM_UP),
 ]
 
 
@@ -34,8 +59,9 @@ def simulate(
     max_tokens: int,
     max_batch: int,
     slowdown: float | None,
+    warm_up: dict[int, float] | None = None,
 ) -> dict:
-    budget = JoinBudget(slowdown)
+    budget = JoinBudget(slowdown, warm_up)
     waiting = [Waiting(str(i), 0.0, PROMPT_TOKENS, max_tokens) for i in range(jobs)]
     now, members, finished = 0.0, dict[str, int](), dict[str, float]()
     while waiting or members:
@@ -66,9 +92,9 @@ def simulate(
 
 
 def main() -> None:
-    for name, jobs, prefill_s, step_s, max_tokens, max_batch in CELLS:
+    for name, jobs, prefill_s, step_s, max_tokens, max_batch, warm_up in CELLS:
         for slowdown in (None, 1.5):
-            found = simulate(jobs, prefill_s, step_s, max_tokens, max_batch, slowdown)
+            found = simulate(jobs, prefill_s, step_s, max_tokens, max_batch, slowdown, warm_up)
             print(json.dumps({"cell": name, "jobs": jobs, "max_slowdown": slowdown, **found}))
 
 
