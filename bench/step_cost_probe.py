@@ -24,6 +24,7 @@ Run it once per MLX setting to compare (each is read once per process), for inst
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -154,7 +155,7 @@ def time_steps(
     mx.clear_cache()
     cell = {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in parts.items()}
     cell["step_ms"] = round(sum(cell.values()), 3)
-    pipelined = statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False))
+    pipelined = statistics.median(b - a for a, b in itertools.pairwise(ends))
     cell["pipelined_ms"] = round(1e3 * pipelined, 3)
     cell["tok_s"] = round(len(prefills) * 1e3 / cell["step_ms"], 1)
     return cell

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ring_worker.batch_cache import SlotCache
-from ring_worker.fused_linears import mlx_lm_attention
+from ring_worker.fused_linears import mlx_lm_attention, runs_fused
 from ring_worker.ring_attention import project_qkv
 
 Attend = Callable[[mx.array, mx.array, mx.array, mx.array, int, float], mx.array]
@@ -354,8 +354,8 @@ class RowsAttention(nn.Module):
         self._attend = attend
 
     def __call__(self, x: mx.array, mask: object = None, cache: object = None) -> mx.array:
-        if not isinstance(cache, SlotCache) or len(cache.rows) == 1:
-            return self.inner(x, mask, cache)  # one row: mlx-lm's own step, less Python
+        if not isinstance(cache, SlotCache) or not runs_fused(x):
+            return self.inner(x, mask, cache)  # one row (runs_fused: no): mlx-lm's own step
         attn = mlx_lm_attention(self.inner)
         q, k, v = project_qkv(attn, x, cache.offset)
         rows = cache.rows
