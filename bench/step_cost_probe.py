@@ -16,7 +16,12 @@ Run it once per MLX setting to compare (each is read once per process), for inst
    the linears (ring_worker/fused_linears.py, CUDA), every cell runs once per `--linears`
    variant, the variants alternating `--repeats` times (the host's speed drifts between runs on
    a shared machine, so only side-by-side cells compare): "fused" as the decoder runs, and
-   "separate" (the calls go around the fused weights).
+   "separate" (the calls go around the fused weights). Ablations of the mixed-length path, to
+   locate what a second length costs (their numbers are wrong, their work is a uniform step's):
+   "sdpa" (attention by fused SDPA over the first `longest + 1` columns, no kernels), "store"
+   (every row's K/V written at one column, one slice update), "rope" (one int RoPE offset);
+   join them with "+" ("sdpa+store+rope" should cost what a uniform cell does). `--profile`
+   adds each cell's graph build under cProfile (the top functions by own time, per step).
 2. One linear layer's matmul, M rows x dims -> out in bf16 (224 chained at 4096 -> 4096, the 8B
    shape's matmuls per step; 64 at 4096 -> 14336, where the device is the bound): host time to
    build and dispatch it, per matmul (gemv at M = 1, cuBLASLt above), and `weight_gb_s`, how
@@ -30,7 +35,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
@@ -48,6 +53,7 @@ def main() -> int:
     parser.add_argument("--warm", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--linears", default="fused,separate", help="variants, first compared")
+    parser.add_argument("--profile", action="store_true", help="cProfile each cell's build")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -88,7 +94,8 @@ def main() -> int:
             cell = prefills[:count] if kind == "mixed" else [uniform] * count
             for repeat in range(args.repeats):
                 for linears in args.linears.split(","):
-                    timed = time_steps(engine, cell, args, linears)
+                    profile = args.profile and repeat == 0
+                    timed = time_steps(engine, cell, args, linears, profile)
                     if timed is None:
                         continue
                     report["steps"].append(
@@ -111,7 +118,7 @@ def main() -> int:
 
 
 def time_steps(
-    engine: Any, prefills: list[Any], args: argparse.Namespace, linears: str
+    engine: Any, prefills: list[Any], args: argparse.Namespace, linears: str, profile: bool
 ) -> dict[str, Any] | None:
     """One cell; None for a fused variant where the decoder fused nothing (no GPU)."""
     import mlx.core as mx
@@ -121,9 +128,9 @@ def time_steps(
 
     decoder = BatchDecoder(engine, max_batch=len(prefills))
     fused = any(isinstance(x.mlp, FusedMLP) for x in engine.model.layers)
-    if linears != "separate" and not fused:
+    if "separate" not in linears.split("+") and not fused:
         return None
-    total = args.warm + 2 * args.steps + 4
+    total = args.warm + 3 * args.steps + 4
     for index, prefill in enumerate(prefills):
         decoder.add(DecodeRequest(str(index), total), prefill)
     mx.eval(decoder._vote)
@@ -151,23 +158,127 @@ def time_steps(
         for _ in range(args.steps + 1):
             decoder.step()
             ends.append(time.perf_counter())
+        top = profile_build(decoder, args.steps) if profile else None
     del decoder
     mx.clear_cache()
-    cell = {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in parts.items()}
+    cell: dict[str, Any] = {
+        f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in parts.items()
+    }
     cell["step_ms"] = round(sum(cell.values()), 3)
     pipelined = statistics.median(b - a for a, b in itertools.pairwise(ends))
     cell["pipelined_ms"] = round(1e3 * pipelined, 3)
     cell["tok_s"] = round(len(prefills) * 1e3 / cell["step_ms"], 1)
+    if top is not None:
+        cell["profile"] = top
     return cell
 
 
+def profile_build(decoder: Any, steps: int, top: int = 30) -> list[dict[str, Any]]:
+    """`steps` graph builds under cProfile (each evaluated before the next): the `top` functions
+    by own time, in microseconds a step."""
+    import cProfile
+    import pstats
+
+    import mlx.core as mx
+
+    profiler = cProfile.Profile()
+    real_async_eval = mx.async_eval
+    for _ in range(steps):
+        mx.async_eval = lambda *_: None
+        try:
+            profiler.enable()
+            vote = decoder._queue_step()
+            profiler.disable()
+        finally:
+            mx.async_eval = real_async_eval
+        mx.eval(vote)
+        decoder._vote = vote
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [
+        {
+            "function": f"{Path(file).name}:{line}:{name}",
+            "calls": calls // steps,
+            "own_us": round(1e6 * own / steps, 1),
+            "cumulative_us": round(1e6 * cumulative / steps, 1),
+        }
+        for (file, line, name), (_, calls, own, cumulative, _) in rows
+    ]
+
+
 def variant(model: Any, linears: str) -> Any:
-    """The context a `--linears` variant runs in."""
-    if linears == "separate":
-        return separate_linears(model)
-    if linears == "fused":
-        return nullcontext()
-    raise ValueError(f"unknown --linears variant {linears!r}")
+    """The context a `--linears` variant runs in: its "+"-joined parts, each entered."""
+    from contextlib import ExitStack
+
+    stack = ExitStack()
+    for part in linears.split("+"):
+        if part == "separate":
+            stack.enter_context(separate_linears(model))
+        elif part in ABLATIONS:
+            stack.enter_context(ABLATIONS[part](model))
+        elif part != "fused":
+            raise ValueError(f"unknown --linears variant {part!r}")
+    return stack
+
+
+@contextmanager
+def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    saved = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+@contextmanager
+def sdpa_attend(model: Any) -> Iterator[None]:
+    """Mixed-length steps attend by fused SDPA over every row's first `longest` columns."""
+    import mlx.core as mx
+
+    from ring_worker.rows_attention import RowsAttention
+
+    def attend(q: Any, keys: Any, values: Any, _: Any, longest: int, scale: float) -> Any:
+        rows = q.shape[0]
+        k, v = keys[:rows, :, :longest], values[:rows, :, :longest]
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    layers = [x.self_attn for x in model.layers if isinstance(x.self_attn, RowsAttention)]
+    saved = [x._attend for x in layers]
+    for layer in layers:
+        layer._attend = attend
+    try:
+        yield
+    finally:
+        for layer, kept in zip(layers, saved, strict=True):
+            layer._attend = kept
+
+
+def one_column_store(_: Any) -> Any:
+    """Every row's K/V is written at the longest row's column: one slice update per buffer."""
+    from ring_worker.batch_cache import SlotCache
+
+    def store(self: Any, keys: Any, values: Any) -> None:
+        count, end = len(self.rows), self.rows.longest + 1
+        self._reserve(count, end, keys)
+        self.keys[:count, :, end - 1 : end] = keys
+        self.values[:count, :, end - 1 : end] = values
+
+    return patched(SlotCache, "store", store)
+
+
+def int_rope(_: Any) -> Any:
+    """RoPE takes the first row's length as every row's offset (one int)."""
+    from ring_worker.batch_cache import Rows
+
+    return patched(Rows, "offset", property(lambda self: self.lengths[0]))
+
+
+ABLATIONS: dict[str, Callable[[Any], Any]] = {
+    "sdpa": sdpa_attend,
+    "store": one_column_store,
+    "rope": int_rope,
+}
 
 
 @contextmanager
