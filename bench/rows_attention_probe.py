@@ -60,7 +60,8 @@ def main() -> int:
 
 
 def inputs(rows, heads, kv_heads, dim, shortest, longest, dtype) -> tuple[mx.array, ...]:
-    """A cell's queries, KV buffers (capacity rounded up to 256) and lengths, from seed 0."""
+    """A cell's queries, KV buffers (capacity rounded up to 256), rows' first columns (aligned
+    at their ends, as a decode batch holds them) and lengths, from seed 0."""
     mx.random.seed(0)
     capacity = (longest + 255) // 256 * 256
     lengths = mx.linspace(shortest, longest, rows).astype(mx.int32)
@@ -68,23 +69,24 @@ def inputs(rows, heads, kv_heads, dim, shortest, longest, dtype) -> tuple[mx.arr
     q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
     keys = mx.random.normal((rows, kv_heads, capacity, dim)).astype(dtype)
     values = mx.random.normal((rows, kv_heads, capacity, dim)).astype(dtype)
-    mx.eval(q, keys, values, lengths)
-    return q, keys, values, lengths
+    starts = longest - lengths
+    mx.eval(q, keys, values, starts, lengths)
+    return q, keys, values, starts, lengths
 
 
 def cell(rows, heads, kv_heads, dim, shortest, longest, dtype) -> dict[str, Any]:
-    q, keys, values, lengths = inputs(rows, heads, kv_heads, dim, shortest, longest, dtype)
+    q, keys, values, starts, lengths = inputs(rows, heads, kv_heads, dim, shortest, longest, dtype)
     scale = dim**-0.5
-    want = reference_attention(q, keys, values, lengths, longest, scale).astype(mx.float32)
-    have = kernel_attention(q, keys, values, lengths, longest, scale).astype(mx.float32)
-    error = mx.abs(have - want).max().item()
+    want = reference_attention(q, keys, values, starts, lengths, longest, scale)
+    have = kernel_attention(q, keys, values, starts, lengths, longest, scale)
+    error = mx.abs(have.astype(mx.float32) - want.astype(mx.float32)).max().item()
 
     def fused_equal(*_: Any) -> mx.array:
         k, v = keys[:, :, :longest], values[:, :, :longest]
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
     times = {
-        name: timed(lambda f=f: f(q, keys, values, lengths, longest, scale))
+        name: timed(lambda f=f: f(q, keys, values, starts, lengths, longest, scale))
         for name, f in (
             ("kernel", kernel_attention),
             ("masked", reference_attention),
@@ -112,7 +114,7 @@ def split_sweep(rows, heads, kv_heads, dim, shortest, longest) -> dict[str, Any]
     """The bf16 kernel's time per call by split policy (TARGET_BLOCKS, MIN_SPLIT_KEYS), the
     module's own policy restored after."""
     shape = (rows, heads, kv_heads, dim, shortest, longest)
-    q, keys, values, lengths = inputs(*shape, mx.bfloat16)
+    q, keys, values, starts, lengths = inputs(*shape, mx.bfloat16)
     policy = rows_attention.TARGET_BLOCKS, rows_attention.MIN_SPLIT_KEYS
     found: dict[str, Any] = {"rows": rows, "dim": dim, "longest": longest, "ms": {}}
     try:
@@ -120,7 +122,9 @@ def split_sweep(rows, heads, kv_heads, dim, shortest, longest) -> dict[str, Any]
             for least in (64, 256):
                 rows_attention.TARGET_BLOCKS, rows_attention.MIN_SPLIT_KEYS = target, least
                 splits = split_count(rows * kv_heads, longest)
-                ms = timed(lambda: kernel_attention(q, keys, values, lengths, longest, dim**-0.5))
+                ms = timed(
+                    lambda: kernel_attention(q, keys, values, starts, lengths, longest, dim**-0.5)
+                )
                 found["ms"][f"{target}/{least}"] = {"splits": splits, "ms": ms}
     finally:
         rows_attention.TARGET_BLOCKS, rows_attention.MIN_SPLIT_KEYS = policy
@@ -132,6 +136,7 @@ def first_call(rows: int, heads: int = 32, kv_heads: int = 8, dim: int = 128) ->
     """One call at `rows` rows, timed, then the same call again."""
     sizes = [4096 + 7 * r for r in range(rows)]
     lengths = mx.array(sizes, dtype=mx.int32)
+    starts = max(sizes) - lengths
     q = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
     keys = mx.random.normal((rows, kv_heads, 4352, dim)).astype(mx.bfloat16)
     values = mx.random.normal((rows, kv_heads, 4352, dim)).astype(mx.bfloat16)
@@ -140,7 +145,7 @@ def first_call(rows: int, heads: int = 32, kv_heads: int = 8, dim: int = 128) ->
     found: dict[str, Any] = {"rows": rows, "splits": split_count(rows * kv_heads, longest)}
     for name in ("first_ms", "second_ms"):
         start = time.perf_counter()
-        mx.eval(kernel_attention(q, keys, values, lengths, longest, dim**-0.5))
+        mx.eval(kernel_attention(q, keys, values, starts, lengths, longest, dim**-0.5))
         found[name] = (time.perf_counter() - start) * 1e3
     print(json.dumps(found), flush=True)
     return found

@@ -18,10 +18,12 @@ Run it once per MLX setting to compare (each is read once per process), for inst
    a shared machine, so only side-by-side cells compare): "fused" as the decoder runs, and
    "separate" (the calls go around the fused weights). Ablations of the mixed-length path, to
    locate what a second length costs (their numbers are wrong, their work is a uniform step's):
-   "sdpa" (attention by fused SDPA over the first `longest + 1` columns, no kernels), "store"
-   (every row's K/V written at one column, one slice update), "rope" (one int RoPE offset);
-   join them with "+" ("sdpa+store+rope" should cost what a uniform cell does). `--profile`
-   adds each cell's graph build under cProfile (the top functions by own time, per step).
+   "sdpa" (attention by fused SDPA over `longest + 1` columns, no kernels), "rope" (one
+   int RoPE offset); join them with "+". (A third, "store", wrote every row at one column
+   while rows started at column 0: at 8 rows it took a step from 12.9 to 9.3 ms on an H200,
+   h200-service/step-cost-ablations-2c5d8f1.json, and rows are now aligned at their ends so that
+   they do.) `--profile` adds each cell's graph build under cProfile (the top functions by own
+   time, per step).
 2. One linear layer's matmul, M rows x dims -> out in bf16 (224 chained at 4096 -> 4096, the 8B
    shape's matmuls per step; 64 at 4096 -> 14336, where the device is the bound): host time to
    build and dispatch it, per matmul (gemv at M = 1, cuBLASLt above), and `weight_gb_s`, how
@@ -233,13 +235,14 @@ def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 @contextmanager
 def sdpa_attend(model: Any) -> Iterator[None]:
-    """Mixed-length steps attend by fused SDPA over every row's first `longest` columns."""
+    """Mixed-length steps attend by fused SDPA over `longest` columns of every row (the first:
+    the cost of the right ones, not their numbers)."""
     import mlx.core as mx
 
     from ring_worker.rows_attention import RowsAttention
 
-    def attend(q: Any, keys: Any, values: Any, _: Any, longest: int, scale: float) -> Any:
-        rows = q.shape[0]
+    def attend(q: Any, keys: Any, values: Any, *rest: Any) -> Any:
+        rows, longest, scale = q.shape[0], rest[-2], rest[-1]
         k, v = keys[:rows, :, :longest], values[:rows, :, :longest]
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
@@ -254,19 +257,6 @@ def sdpa_attend(model: Any) -> Iterator[None]:
             layer._attend = kept
 
 
-def one_column_store(_: Any) -> Any:
-    """Every row's K/V is written at the longest row's column: one slice update per buffer."""
-    from ring_worker.batch_cache import SlotCache
-
-    def store(self: Any, keys: Any, values: Any) -> None:
-        count, end = len(self.rows), self.rows.longest + 1
-        self._reserve(count, end, keys)
-        self.keys[:count, :, end - 1 : end] = keys
-        self.values[:count, :, end - 1 : end] = values
-
-    return patched(SlotCache, "store", store)
-
-
 def int_rope(_: Any) -> Any:
     """RoPE takes the first row's length as every row's offset (one int)."""
     from ring_worker.batch_cache import Rows
@@ -276,7 +266,6 @@ def int_rope(_: Any) -> Any:
 
 ABLATIONS: dict[str, Callable[[Any], Any]] = {
     "sdpa": sdpa_attend,
-    "store": one_column_store,
     "rope": int_rope,
 }
 
@@ -391,7 +380,8 @@ def time_ops(rows: int, layers: int = 32, length: int = 4096) -> list[dict[str, 
     lengths = [length - 37 * row for row in range(rows)]
     index, positions = mx.arange(rows), mx.array(lengths)
     visible = mx.array([n + 1 for n in lengths], dtype=mx.int32)
-    mx.eval(keys, values, new_k, q0, index, positions, visible)
+    starts = mx.array([length - n for n in lengths], dtype=mx.int32)  # aligned at their ends
+    mx.eval(keys, values, new_k, q0, index, positions, visible, starts)
 
     def store_scatter() -> list[mx.array]:
         k, v = keys, values
@@ -420,7 +410,7 @@ def time_ops(rows: int, layers: int = 32, length: int = 4096) -> list[dict[str, 
         "store_scatter": store_scatter,
         "store_slice": store_slice,
         "attend_kernels": chained(
-            lambda q: kernel_attention(q, keys, values, visible, length + 1, dim**-0.5)
+            lambda q: kernel_attention(q, keys, values, starts, visible, length + 1, dim**-0.5)
         ),
         "attend_sdpa": chained(
             lambda q: mx.fast.scaled_dot_product_attention(

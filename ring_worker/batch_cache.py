@@ -1,14 +1,22 @@
 """The KV cache of a decode batch: one buffer per layer, one row (slot) per sequence.
 
-mlx-lm's BatchKVCache left-pads: every row writes at one common column, so a sequence longer than
-that column cannot join without re-padding (copying) every row, and the column only ever grows
-while the batch is never empty. Here each row starts at position 0 and holds its own length
-(host-side ints, no device sync): a step writes each row's new K/V at that row's own length (a
-slice update per row for a few rows, one scatter for more), RoPE takes per-row offsets, and
-attention reads columns [0, longest + 1) with a boolean mask hiding each row's columns past its own
-length (on CUDA, ring_worker/rows_attention.py reads each row's own columns instead, no mask).
-Joining copies only the joining sequence's K/V into a free row; leaving moves the last row into
-the freed one.
+Rows are aligned at their ends: every row writes its next K/V at one common column (`Rows.end`),
+and row b holds its positions in [end - length_b, end). So a step stores every row's K/V with one
+slice update, as for rows of one length, while RoPE takes per-row offsets (each row's length).
+Attention reads columns [end - longest, end + 1), with a boolean mask hiding the columns before
+each row's own (on CUDA, ring_worker/rows_attention.py reads each row's own columns instead, no
+mask). Before, each row started at column 0 and wrote at its own length: a slice update per row,
+or one scatter above 6 rows. On an H200 (8B shape, ~4K-token rows), in one process, a step of 8
+rows of different lengths took 12.9 ms with those stores and 9.3 ms with every row written at one
+column, against 8.8 ms for 8 rows of one length (bench.step_cost_probe `--linears
+fused,fused+store`, pipelined medians of 2; h200-service/step-cost-ablations-2c5d8f1.json).
+
+A sequence joins by copying its K/V into a free row, ending at `end`. A joiner longer than `end`
+first moves every row right (one copy of the columns they hold); so does a join the buffer
+cannot hold, which also drops the columns no row holds any more (on the left, after longer rows
+left). A row's room ends at its join column + max_tokens (`Rows.limits`), so the buffer never
+needs more than the longest row's prompt and answer plus the longest answer
+(admission.estimate `batch_row_tokens`). Leaving moves the last row into the freed one.
 
 When every row has the same length (one sequence, or sequences that joined together) the step is
 mlx-lm's own single-sequence path: an integer offset, one slice update, no mask (fused attention).
@@ -22,22 +30,20 @@ from typing import Any
 import mlx.core as mx
 
 LENGTH_STEP_TOKENS = 256  # capacity grows by this many positions, as mlx-lm's KVCache does
-# Up to this many rows a step stores K/V with a slice update per row, above it with one scatter.
-# On an H200 (8B shape, 2 rows at ~4K) a layer's scatter of K and V took 115 us of host time and
-# its two slice updates 14 us (bench.step_cost_probe `ops`, h200-service/step-cost-fused.json):
-# even near 8 rows, and the scatters were most of what a mixed step cost over a uniform one.
-PER_ROW_STORE_MAX_ROWS = 6
 
 
 class Rows:
-    """The lengths of the sequences in a batch, in row order (shared by every layer's cache)."""
+    """The lengths of the sequences in a batch, in row order, and the column every row writes
+    at next (shared by every layer's cache): row b holds columns [end - lengths[b], end)."""
 
     def __init__(self) -> None:
         self.lengths: list[int] = []
+        self.limits: list[int] = []  # per row: the column after the last one it may write
+        self.end = 0
         self._offset: int | mx.array | None = None
         self._mask: mx.array | None = None
         self._visible: mx.array | None = None
-        self._index: mx.array | None = None
+        self._starts: mx.array | None = None
         self._uniform: bool | None = None  # cached: every layer asks, every step
 
     def __len__(self) -> int:
@@ -54,6 +60,11 @@ class Rows:
         return max(self.lengths, default=0)
 
     @property
+    def first(self) -> int:
+        """The first column any row holds."""
+        return self.end - self.longest
+
+    @property
     def offset(self) -> int | mx.array:
         """RoPE offsets of the step's token: one int when all rows agree, else one per row."""
         if self._offset is None:
@@ -61,13 +72,14 @@ class Rows:
         return self._offset
 
     def mask(self) -> mx.array | None:
-        """(rows, 1, 1, longest + 1): row b sees columns 0..lengths[b]. None when uniform."""
+        """(rows, 1, 1, longest + 1) over columns [first, end]: row b sees its own last
+        lengths[b] + 1. None when uniform."""
         if self.uniform:
             return None
         if self._mask is None:
             columns = mx.arange(self.longest + 1)[None]
-            visible = columns <= mx.array(self.lengths)[:, None]
-            self._mask = visible.reshape(len(self), 1, 1, -1)
+            hidden = mx.array([self.longest - n for n in self.lengths])[:, None]
+            self._mask = (columns >= hidden).reshape(len(self), 1, 1, -1)
         return self._mask
 
     def visible(self) -> mx.array:
@@ -76,19 +88,20 @@ class Rows:
             self._visible = mx.array([n + 1 for n in self.lengths], dtype=mx.int32)
         return self._visible
 
-    def index(self) -> mx.array:
-        """0..rows - 1: the rows a step's scatter writes."""
-        if self._index is None or self._index.shape[0] != len(self):
-            self._index = mx.arange(len(self))
-        return self._index
+    def starts(self) -> mx.array:
+        """int32 (rows,): row b's first column, end - lengths[b]."""
+        if self._starts is None:
+            self._starts = mx.array([self.end - n for n in self.lengths], dtype=mx.int32)
+        return self._starts
 
     def changed(self) -> None:
-        self._offset = self._mask = self._visible = self._uniform = None
+        self._offset = self._mask = self._visible = self._starts = self._uniform = None
 
     def advance(self) -> None:
         """After a step: every row holds one more position (uniform stays as it was)."""
         uniform = self.uniform
         self.lengths = [n + 1 for n in self.lengths]
+        self.end += 1
         self.changed()
         self._uniform = uniform
 
@@ -106,52 +119,59 @@ class SlotCache:
     def offset(self) -> int | mx.array:
         return self.rows.offset
 
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
     def make_mask(self, length: int, **_: Any) -> mx.array | None:
         if length != 1:
             raise ValueError(f"a decode batch steps one token per row, not {length}")
         return self.rows.mask()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store the step's K/V at each row's length; return the columns every row may attend
-        to (the mask hides the rest)."""
+        """Store the step's K/V at the rows' common column; return the columns any row may
+        attend to (the mask hides the rest)."""
         self.store(keys, values)
         assert self.keys is not None and self.values is not None
-        count, end = len(self.rows), self.rows.longest + 1
-        return self.keys[:count, :, :end], self.values[:count, :, :end]
+        rows = self.rows
+        count, first, end = len(rows), rows.first, rows.end + 1
+        return self.keys[:count, :, first:end], self.values[:count, :, first:end]
 
     def store(self, keys: mx.array, values: mx.array) -> None:
-        """Write the step's K/V (rows, kv_heads, 1, head_dim) at each row's length."""
-        rows = self.rows
-        count, end = len(rows), rows.longest + 1
-        self._reserve(count, end, keys)
+        """Write the step's K/V (rows, kv_heads, 1, head_dim) at the rows' common column."""
+        count, at = len(self.rows), self.rows.end
+        self._reserve(count, at + 1, keys)
         assert self.keys is not None and self.values is not None
-        if rows.uniform:
-            at = rows.lengths[0]
-            self.keys[:count, :, at:end] = keys
-            self.values[:count, :, at:end] = values
-        elif count <= PER_ROW_STORE_MAX_ROWS:
-            for row, at in enumerate(rows.lengths):
-                self.keys[row : row + 1, :, at : at + 1] = keys[row : row + 1]
-                self.values[row : row + 1, :, at : at + 1] = values[row : row + 1]
-        else:
-            index, positions = rows.index(), rows.offset
-            self.keys[index, :, positions] = keys[:, :, 0]
-            self.values[index, :, positions] = values[:, :, 0]
+        self.keys[:count, :, at : at + 1] = keys
+        self.values[:count, :, at : at + 1] = values
 
-    def put(self, row: int, keys: mx.array, values: mx.array, reserve_tokens: int) -> None:
-        """Copy one sequence's K/V ((1, kv_heads, length, head_dim)) into `row`, with room for
-        `reserve_tokens` positions in all."""
+    def put(self, row: int, keys: mx.array, values: mx.array, end: int) -> None:
+        """Copy one sequence's K/V ((1, kv_heads, length, head_dim)) into `row`, ending at
+        column `end`."""
         length = keys.shape[2]
-        self._reserve(row + 1, max(reserve_tokens, length + 1), keys)
+        self._reserve(row + 1, end, keys)
         assert self.keys is not None and self.values is not None
-        self.keys[row : row + 1, :, :length] = keys
-        self.values[row : row + 1, :, :length] = values
+        self.keys[row : row + 1, :, end - length : end] = keys
+        self.values[row : row + 1, :, end - length : end] = values
 
-    def move(self, source: int, target: int, length: int) -> None:
-        """Copy row `source`'s first `length` positions over row `target`."""
+    def move(self, source: int, target: int, start: int, end: int) -> None:
+        """Copy row `source`'s columns [start, end) over row `target`'s."""
         assert self.keys is not None and self.values is not None
-        self.keys[target : target + 1, :, :length] = self.keys[source : source + 1, :, :length]
-        self.values[target : target + 1, :, :length] = self.values[source : source + 1, :, :length]
+        for buffer in (self.keys, self.values):
+            buffer[target : target + 1, :, start:end] = buffer[source : source + 1, :, start:end]
+
+    def relayout(self, capacity: int, start: int, end: int, shift: int, like: mx.array) -> None:
+        """New buffers of `capacity` columns (as many rows as now, at least `slots`) holding
+        the old columns [start, end) at [start + shift, end + shift)."""
+        _, heads, _, dim = like.shape
+        slots = self.slots if self.keys is None else self.keys.shape[0]
+        moved = []
+        for old in (self.keys, self.values):
+            new = mx.zeros((slots, heads, capacity, dim), like.dtype)
+            if old is not None and end > start:
+                new[:, :, start + shift : end + shift] = old[:, :, start:end]
+            moved.append(new)
+        self.keys, self.values = moved
 
     def _reserve(self, slots: int, length: int, like: mx.array) -> None:
         """Grow the buffers to hold `slots` rows of `length` positions (zeros where new)."""
@@ -203,28 +223,48 @@ class BatchCache:
         return len(self.rows)
 
     def add(self, prompt_cache: list[Any], max_tokens: int) -> int:
-        """A prefilled sequence (mlx-lm KVCaches, one per layer) becomes the last row, with
-        room for `max_tokens` more positions: its step t (1-based) writes position
-        length + t - 1, and it leaves at step max_tokens at the latest."""
-        row = len(self.rows)
+        """A prefilled sequence (mlx-lm KVCaches, one per layer) becomes the last row, ending at
+        the rows' common column, with room for `max_tokens` more positions: its step t
+        (1-based) writes column end + t - 1, and it leaves at step max_tokens at the latest."""
+        rows, row = self.rows, len(self.rows)
         length = prompt_cache[0].offset
+        end = rows.end if row else 0
+        if length > end or end + max_tokens > self.layers[0].capacity:
+            self._relayout(max(rows.longest, length), max_tokens, prompt_cache[0].keys)
         for layer, cache in zip(self.layers, prompt_cache, strict=True):
             keys, values = cache.keys[..., :length, :], cache.values[..., :length, :]
-            layer.put(row, keys, values, length + max_tokens)
-        self.rows.lengths.append(length)
-        self.rows.changed()
+            layer.put(row, keys, values, rows.end)
+        rows.lengths.append(length)
+        rows.limits.append(rows.end + max_tokens)
+        rows.changed()
         return row
+
+    def _relayout(self, end: int, max_tokens: int, like: mx.array) -> None:
+        """Move every row to end at column `end` (right, for a longer joiner; left, dropping
+        the columns no row holds), in buffers just long enough for every row's room and a
+        joiner's `max_tokens`."""
+        rows = self.rows
+        held = bool(rows.lengths)
+        shift = end - rows.end if held else 0
+        rows.limits = [limit + shift for limit in rows.limits]
+        capacity = _round_up(max([end + max_tokens, *rows.limits]), LENGTH_STEP_TOKENS)
+        start = rows.first if held else 0
+        for layer in self.layers:
+            layer.relayout(capacity, start, start + rows.longest, shift, like)
+        rows.end = end
+        rows.changed()
 
     def remove(self, row: int) -> None:
         """Drop `row`; the last row moves into its place (the caller reorders to match)."""
-        last = len(self.rows) - 1
+        rows, last = self.rows, len(self.rows) - 1
         if row != last:
-            length = self.rows.lengths[last]
+            length = rows.lengths[last]
             for layer in self.layers:
-                layer.move(last, row, length)
-            self.rows.lengths[row] = length
-        self.rows.lengths.pop()
-        self.rows.changed()
+                layer.move(last, row, rows.end - length, rows.end)
+            rows.lengths[row], rows.limits[row] = length, rows.limits[last]
+        rows.lengths.pop()
+        rows.limits.pop()
+        rows.changed()
 
     def state(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.state]

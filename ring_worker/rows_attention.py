@@ -11,7 +11,8 @@ Here two kernels do it (flash-decoding):
   consecutive head dims (one vector load; 16 lanes a key at head dim 128 in bf16, so a warp
   reads 2 keys at once), and each lane keeps two such loads in flight, with an online softmax
   per lane group; the groups, then the warps, are merged at the end. Each row reads only its own
-  keys, [0, length), straight from the batch's KV buffers (no slice, no copy, no mask).
+  keys, [start, start + length) (rows are aligned at their ends: ring_worker/batch_cache.py),
+  straight from the batch's KV buffers (no slice, no copy, no mask).
   The first version walked one key per warp with 2-byte loads: 0.41 ms a layer at 32 rows x ~4K
   in bf16 on an H200, 2.5x fused SDPA over rows of one length (rows-attention-probe.json).
 - `rows_combine`: merges the splits of each (row, query head).
@@ -36,7 +37,7 @@ from ring_worker.batch_cache import SlotCache
 from ring_worker.fused_linears import mlx_lm_attention, runs_fused
 from ring_worker.ring_attention import project_qkv
 
-Attend = Callable[[mx.array, mx.array, mx.array, mx.array, int, float], mx.array]
+Attend = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array, int, float], mx.array]
 
 WARPS = 4  # per block of rows_partial (the kernel source says the same)
 TARGET_BLOCKS = 512  # enough blocks to fill an H200's 132 SMs a few times over
@@ -82,10 +83,11 @@ PARTIAL_SOURCE = """
     const int sub = lane / LANES;
     const int dim0 = (lane % LANES) * EPL;
     const int len = lengths[b];
+    const int first = starts[b];
     const int per = (len + NSPLIT - 1) / NSPLIT;
     const int start = split * per;
     const int end = min(len, start + per);
-    const long long base = (long long)(b * HKV + kvh) * C * D + dim0;
+    const long long base = ((long long)(b * HKV + kvh) * C + first) * D + dim0;
     const float sc = scale[0];
 
     float qr[G][EPL];
@@ -251,7 +253,7 @@ def kernels_available() -> bool:
 def _partial_kernel():
     return mx.fast.cuda_kernel(
         name="ringq_rows_partial_grouped",
-        input_names=["queries", "keys", "values", "lengths", "scale", "splits"],
+        input_names=["queries", "keys", "values", "starts", "lengths", "scale", "splits"],
         output_names=["part_acc", "part_max", "part_sum"],
         source=PARTIAL_SOURCE,
         header=PARTIAL_HEADER,
@@ -293,19 +295,21 @@ def kernel_attention(
     queries: mx.array,
     keys: mx.array,
     values: mx.array,
+    starts: mx.array,
     lengths: mx.array,
     longest: int,
     scale: float,
 ) -> mx.array:
-    """softmax(q k^T * scale) v for row b over keys[b, :, :lengths[b]]. queries
-    (rows, heads, 1, dim); keys/values the batch's whole buffers (slots >= rows, kv_heads,
-    capacity, dim); lengths int32 (rows,), at most `longest`. Returns (rows, heads, 1, dim)."""
+    """softmax(q k^T * scale) v for row b over keys[b, :, starts[b]:starts[b] + lengths[b]].
+    queries (rows, heads, 1, dim); keys/values the batch's whole buffers (slots >= rows,
+    kv_heads, capacity, dim); starts and lengths int32 (rows,), lengths at most `longest`.
+    Returns (rows, heads, 1, dim)."""
     rows, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
     splits = split_count(rows * kv_heads, longest)
     parts = rows * heads * splits
     acc, top, total = _partial_kernel()(
-        inputs=[queries, keys, values, lengths, _scale_array(scale), _splits_array(splits)],
+        inputs=[queries, keys, values, starts, lengths, _scale_array(scale), _splits_array(splits)],
         template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads)],
         grid=(rows * kv_heads * splits * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
@@ -326,15 +330,18 @@ def reference_attention(
     queries: mx.array,
     keys: mx.array,
     values: mx.array,
+    starts: mx.array,
     lengths: mx.array,
     longest: int,
     scale: float,
 ) -> mx.array:
-    """What kernel_attention computes, in MLX ops (masked SDPA over the first `longest` keys)."""
-    rows = queries.shape[0]
-    k, v = keys[:rows, :, :longest], values[:rows, :, :longest]
-    visible = (mx.arange(longest)[None] < lengths[:, None]).reshape(rows, 1, 1, longest)
-    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=visible)
+    """What kernel_attention computes, in MLX ops (SDPA over every column, masked)."""
+    rows, capacity = queries.shape[0], keys.shape[2]
+    columns = mx.arange(capacity)[None]
+    visible = (columns >= starts[:, None]) & (columns < (starts + lengths)[:, None])
+    k, v = keys[:rows], values[:rows]
+    mask = visible.reshape(rows, 1, 1, capacity)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 
 def supported(module: nn.Module) -> bool:
@@ -366,7 +373,13 @@ class RowsAttention(nn.Module):
             cache.store(k, v)
             assert cache.keys is not None and cache.values is not None
             out = self._attend(
-                q, cache.keys, cache.values, rows.visible(), rows.longest + 1, attn.scale
+                q,
+                cache.keys,
+                cache.values,
+                rows.starts(),
+                rows.visible(),
+                rows.longest + 1,
+                attn.scale,
             )
         out = out.astype(x.dtype).transpose(0, 2, 1, 3)
         return attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))

@@ -11,8 +11,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from ring_worker import batch_cache
-from ring_worker.batch_cache import PER_ROW_STORE_MAX_ROWS
 from ring_worker.batch_decode import MEASURED_ROWS, BatchDecoder, DecodeRequest, warm_up
 from ring_worker.engine import Engine
 from ring_worker.group import free_loopback_ports
@@ -62,10 +60,7 @@ def check_against_alone(model_dir, seen, tokens_by_key):
         assert tokens_by_key[entry.key] == want_tokens, entry.key
 
 
-@pytest.mark.parametrize("per_row_store_max_rows", [PER_ROW_STORE_MAX_ROWS, 0])
-def test_batch_matches_each_sequence_alone(tiny_model_dir, per_row_store_max_rows, monkeypatch):
-    """Rows of different lengths store their K/V by a slice update each, or by one scatter."""
-    monkeypatch.setattr(batch_cache, "PER_ROW_STORE_MAX_ROWS", per_row_store_max_rows)
+def test_batch_matches_each_sequence_alone(tiny_model_dir):
     seen, results = run_schedule(Engine(model_at(tiny_model_dir)))
     check_against_alone(tiny_model_dir, seen, {r.key: r.tokens for r in results})
     sizes = {r.key: r.max_batch_size for r in results}

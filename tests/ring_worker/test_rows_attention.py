@@ -71,10 +71,12 @@ def test_split_count(blocks, longest, splits):
 def test_kernels_match_the_masked_reference(dtype):
     rows, heads, kv_heads, dim, capacity = 5, 8, 2, 128, 1280
     lengths = mx.array([1, 7, 300, 1100, 1201], dtype=mx.int32)
+    starts = 1250 - lengths  # rows aligned at their ends, as a decode batch holds them
     q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
     keys = mx.random.normal((rows + 2, kv_heads, capacity, dim)).astype(dtype)
     values = mx.random.normal((rows + 2, kv_heads, capacity, dim)).astype(dtype)
-    want = reference_attention(q, keys, values, lengths, 1201, dim**-0.5).astype(mx.float32)
-    have = kernel_attention(q, keys, values, lengths, 1201, dim**-0.5).astype(mx.float32)
+    args = (q, keys, values, starts, lengths, 1201, dim**-0.5)
+    want = reference_attention(*args).astype(mx.float32)
+    have = kernel_attention(*args).astype(mx.float32)
     tolerance = 1e-5 if dtype == mx.float32 else 2e-2
     assert mx.abs(have - want).max().item() <= tolerance

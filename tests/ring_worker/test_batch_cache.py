@@ -1,0 +1,120 @@
+"""A decode batch's rows are aligned at their ends (ring_worker/batch_cache.py): every row holds
+exactly its own positions, in order, ending at the common column, through joins that move the
+rows right (a longer joiner) or left (a join the buffer cannot hold: compaction), steps, and
+leaves. Each position's K/V is a number naming its sequence and position, so any misplaced
+column shows."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from ring_worker.batch_cache import BatchCache
+
+LAYERS, HEADS, DIM = 2, 2, 4
+
+
+def prefill(sequence: int, length: int) -> list[KVCache]:
+    """mlx-lm caches of `length` positions whose K (and V, negated) are 1000 * sequence + p."""
+    caches = []
+    for _ in range(LAYERS):
+        cache = KVCache()
+        marks = mx.broadcast_to(
+            (1000 * sequence + mx.arange(length, dtype=mx.float32))[None, None, :, None],
+            (1, HEADS, length, DIM),
+        )
+        cache.update_and_fetch(marks, -marks)
+        caches.append(cache)
+    return caches
+
+
+class Batch:
+    """A BatchCache and, beside it, what each of its rows must hold."""
+
+    def __init__(self) -> None:
+        self.cache = BatchCache(LAYERS)
+        self.members: list[int] = []  # sequence per row
+        self.positions: dict[int, int] = {}
+
+    def join(self, sequence: int, length: int, max_tokens: int) -> None:
+        self.cache.add(prefill(sequence, length), max_tokens)
+        self.members.append(sequence)
+        self.positions[sequence] = length
+
+    def step(self) -> None:
+        """One decode step: each row's next position, at the common column."""
+        marks = mx.array([1000.0 * s + self.positions[s] for s in self.members])
+        keys = mx.broadcast_to(marks[:, None, None, None], (len(self.members), HEADS, 1, DIM))
+        for layer in self.cache.layers:
+            layer.update_and_fetch(keys, -keys)
+        self.cache.rows.advance()
+        for sequence in self.members:
+            self.positions[sequence] += 1
+
+    def leave(self, sequence: int) -> None:
+        row = self.members.index(sequence)
+        self.cache.remove(row)
+        self.members[row] = self.members[-1]
+        self.members.pop()
+
+    def check(self) -> None:
+        rows = self.cache.rows
+        assert rows.lengths == [self.positions[s] for s in self.members]
+        assert all(limit <= self.cache.layers[0].capacity for limit in rows.limits)
+        for layer in self.cache.layers:
+            assert layer.keys is not None and layer.values is not None
+            for row, sequence in enumerate(self.members):
+                length = self.positions[sequence]
+                held = layer.keys[row, 0, rows.end - length : rows.end, 0]
+                want = 1000 * sequence + mx.arange(length, dtype=mx.float32)
+                assert mx.array_equal(held, want), (sequence, held.tolist()[:8])
+                assert mx.array_equal(layer.values[row, 0, rows.end - length : rows.end, 0], -want)
+
+
+def test_rows_hold_their_positions_through_joins_steps_and_leaves():
+    batch = Batch()
+    batch.join(1, 10, 300)  # 10 + 300: 512 columns
+    batch.check()
+    batch.join(2, 4, 20)  # shorter: ends at the same column, no move
+    capacity = batch.cache.layers[0].capacity
+    batch.check()
+    for _ in range(3):
+        batch.step()
+    batch.join(3, 40, 8)  # longer than every row: all move right
+    assert batch.cache.rows.end == 40
+    batch.check()
+    for _ in range(5):
+        batch.step()
+    batch.leave(3)  # the longest leaves: the last row moves into its place
+    batch.leave(1)
+    batch.check()
+    assert batch.cache.layers[0].capacity == capacity
+    for _ in range(2):
+        batch.step()
+    end, first = batch.cache.rows.end, batch.cache.rows.first
+    assert first > 0  # columns left of every row are dead now
+    batch.join(4, 6, capacity)  # cannot fit at `end`: the rows move left first
+    assert batch.cache.rows.end == batch.positions[2] < end
+    batch.check()
+    for _ in range(4):
+        batch.step()
+    batch.check()
+
+
+@pytest.mark.parametrize("joiner", [3, 9])
+def test_a_step_attends_each_row_only_to_its_own_columns(joiner):
+    """update_and_fetch returns [first, end] and the mask hides the columns before each row."""
+    batch = Batch()
+    batch.join(1, 9, 16)
+    batch.join(2, joiner, 16)
+    keys = mx.zeros((2, HEADS, 1, DIM))
+    fetched, _ = batch.cache.layers[0].update_and_fetch(keys, keys)
+    rows = batch.cache.rows
+    mask = rows.mask()
+    assert fetched.shape[2] == rows.longest + 1
+    if joiner == 9:
+        assert mask is None  # one length: fused attention, no mask
+        return
+    assert mask is not None
+    visible = mask[:, 0, 0].tolist()
+    assert visible[0] == [True] * 10
+    assert visible[1] == [False] * (9 - joiner) + [True] * (joiner + 1)
