@@ -205,10 +205,25 @@ def activation_bytes(
     return hidden + mlp + scores + logits
 
 
-def batch_row_tokens(prompt_tokens: int, max_new_tokens: int) -> int:
-    """Positions one sequence's row of a decode batch holds (ring_worker/batch_cache.py): its
-    prompt and answer, in the buffer's 256-token steps."""
-    return _cache_tokens(prompt_tokens + max_new_tokens)
+@dataclass(frozen=True)
+class BatchRow:
+    """One sequence's row of a decode batch (ring_worker/batch_cache.py): the positions of its
+    prompt and of its answer."""
+
+    prompt_tokens: int
+    answer_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.answer_tokens
+
+
+def batch_buffer_tokens(longest_row: int, longest_answer: int) -> int:
+    """Positions each row of a decode batch's buffer may need, in its 256-token steps: the rows
+    are aligned at their ends, so a row joins at the column the longest row has reached and
+    needs its own answer's room past it. Hence the longest row (prompt and answer) plus the
+    longest answer; a batch of one needs only its own row (batch_row_bytes)."""
+    return _cache_tokens(longest_row + longest_answer)
 
 
 def batch_row_bytes(
@@ -216,8 +231,8 @@ def batch_row_bytes(
 ) -> int:
     """One sequence's own row of a decode batch on the busiest rank (replicated on every rank;
     single). What its joining adds is more (jobs/warm_groups.py): every row of the batch's
-    buffer is as long as its longest row, and rows grow by doubling."""
+    buffer is `batch_buffer_tokens` long, and rows grow by doubling."""
     if layout.strategy == "pipeline" or layout.kv_layout == "sharded":
         raise ValueError(f"{layout.label} does not decode in batches")
-    tokens = batch_row_tokens(prompt_tokens, max_new_tokens)
+    tokens = _cache_tokens(prompt_tokens + max_new_tokens)
     return int(shape.kv_bytes_per_token() * tokens * MARGIN)

@@ -37,7 +37,7 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
 import sys
 from dataclasses import dataclass, field, replace
 
-from admission.estimate import Layout, batch_row_bytes, batch_row_tokens
+from admission.estimate import BatchRow, Layout, batch_row_bytes
 from admission.group_plan import GroupPlan, NodeFacts, chunk_candidates, plan_group
 from admission.model_shape import ModelShape
 from admission.placement import CannotPlace, NodeCapacity, PlacementRequest, plan_placement
@@ -67,9 +67,9 @@ class Job:
         return spec.max_tokens if spec.kind == JobKind.GENERATE else 0
 
     @property
-    def row_tokens(self) -> int:
-        """Positions its row of a decode batch holds (jobs/warm_groups.py)."""
-        return batch_row_tokens(len(self.tokens), self.new_tokens)
+    def batch_row(self) -> BatchRow:
+        """Its row of a decode batch (jobs/warm_groups.py)."""
+        return BatchRow(len(self.tokens), self.new_tokens)
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,7 @@ class Dispatcher:
             group = join.group.model_copy(update={"job_id": job.record.id})
             capacity = {name: budget[name] for name in group.nodes}
             outcome = self.warm.join(
-                group, job.record.id, join.max_batch, join.grow_bytes, capacity, job.row_tokens
+                group, job.record.id, join.max_batch, join.grow_bytes, capacity, job.batch_row
             )
             log.info("job %s: join group %s: %s", job.record.id, group.group_id, outcome)
             if outcome == "joined":
@@ -310,7 +310,7 @@ class Dispatcher:
     def open_batch(self, group: GroupSpec, job: Job, place: Place) -> None:
         """The job is in its group's batch (what the reconciler retries if the group is lost);
         a new warm group that batches is offered at once, so jobs join it while it loads."""
-        self.warm.started(group, job.record.id, job.row_tokens)
+        self.warm.started(group, job.record.id, job.batch_row)
         batching = max_batch_for(self.settings, group.backend) > 1
         if place.reuse is None and group.idle_s > 0 and batching:
             self.warm.offer(group, place.bytes_per_node, place.plan.chunk_tokens)

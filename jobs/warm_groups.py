@@ -17,8 +17,9 @@ between decode steps (`joined`), so a job joins the batch at the next step. The 
 the list of jobs the reconciler retries when the group is lost (jobs/recovery.py).
 
 Memory: the batch's KV lives in one buffer per layer (ring_worker/batch_cache.py) of `slots`
-rows, each as long as the longest row it has held (its prompt and answer, in 256-token steps);
-rows double when a job joins a full buffer, and the buffer keeps its size until the batch is
+rows, each as long as the longest row it has held (its prompt and answer) plus the longest
+answer, in 256-token steps (admission.estimate `batch_buffer_tokens`: rows are aligned at their
+ends); rows double when a job joins a full buffer, and the buffer keeps its size until the batch is
 empty (then it is dropped). keys.group_batch_buffer models that buffer: the first job records
 its row (`started`), and each `join` grows the group's reservation on every node, in the same
 script, to the whole buffer after the join (every row, the first included, at the longest
@@ -35,7 +36,7 @@ from typing import Literal
 
 import redis
 
-from admission.estimate import batch_row_tokens
+from admission.estimate import BatchRow, batch_buffer_tokens
 from jobs import keys
 from jobs.errors import JobNotFoundError
 from jobs.schemas import GroupSpec, JobKind, WarmGroup
@@ -51,7 +52,7 @@ JoinOutcome = Literal["joined", "no-memory", "no"]
 
 @dataclass(frozen=True)
 class BatchBuffer:
-    """keys.group_batch_buffer: the rows and positions per row the batch's KV buffer has grown
+    """keys.group_batch_buffer: the rows and positions per row the batch's KV buffer may grow
     to, and the bytes the joins added to the group's reservation for it."""
 
     slots: int
@@ -66,24 +67,30 @@ redis.call('DEL', KEYS[1])
 for i = 2, #KEYS do redis.call('RPUSH', KEYS[i], ARGV[1]) end
 return 1
 """
-# KEYS: batch hash, buffer hash. ARGV: job id, its row's positions. A job starts on the group
-# (the first of its batch, or one that joined: already there): its row is in the buffer.
+# KEYS: batch hash, buffer hash. ARGV: job id, its row's positions, its answer's. A job starts
+# on the group (the first of its batch, or one that joined: already there): its row is in the
+# buffer ('tokens': the longest row, 'answer': the longest answer).
 _START = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], 0) == 0 then return 0 end
 local slots = tonumber(redis.call('HGET', KEYS[2], 'slots') or 0)
 local tokens = tonumber(redis.call('HGET', KEYS[2], 'tokens') or 0)
+local answer = tonumber(redis.call('HGET', KEYS[2], 'answer') or 0)
 local rows = redis.call('HLEN', KEYS[1])
 if rows > slots then slots = math.max(rows, 2 * slots) end
-redis.call('HSET', KEYS[2], 'slots', slots, 'tokens', math.max(tokens, tonumber(ARGV[2])))
+tokens = math.max(tokens, tonumber(ARGV[2]))
+answer = math.max(answer, tonumber(ARGV[3]))
+redis.call('HSET', KEYS[2], 'slots', slots, 'tokens', tokens, 'answer', answer)
 return 1
 """
-# KEYS: idle, warm index, batch hash, buffer hash, each node's reserved hash (ARGV[6] of them),
-# then each rank's list. ARGV: group id, job id, max batch, the job's own row's bytes and its
-# positions, node count, then each node's capacity. A busy group (offered, not idle, not
-# retired) takes one more job while its batch has room and every node's reservations (all of
-# them, expired leases too: conservative) can grow to hold the buffer after the join: as many
-# rows as ring_worker/batch_cache.py then allocates (doubling), each of the longest row's
-# positions, at the job's bytes per position (the same for every row of the group).
+# KEYS: idle, warm index, batch hash, buffer hash, each node's reserved hash (ARGV[7] of them),
+# then each rank's list. ARGV: group id, job id, max batch, the job's own row's bytes, its row's
+# positions and its answer's, node count, then each node's capacity. A busy group (offered, not
+# idle, not retired) takes one more job while its batch has room and every node's reservations
+# (all of them, expired leases too: conservative) can grow to hold the buffer after the join: as
+# many rows as ring_worker/batch_cache.py then allocates (doubling), each of the longest row's
+# positions plus the longest answer's in 256-token steps (admission.estimate
+# `batch_buffer_tokens`), at the job's bytes per position (the same for every row of the group;
+# its own row's bytes are for its positions in 256-token steps).
 _JOIN = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return 0 end
@@ -92,23 +99,27 @@ if rows > tonumber(ARGV[3]) then return 0 end
 local slots = tonumber(redis.call('HGET', KEYS[4], 'slots') or 0)
 local tokens = tonumber(redis.call('HGET', KEYS[4], 'tokens') or 0)
 local held = tonumber(redis.call('HGET', KEYS[4], 'bytes') or 0)
+local answer = tonumber(redis.call('HGET', KEYS[4], 'answer') or 0)
 local row_bytes, row_tokens = tonumber(ARGV[4]), tonumber(ARGV[5])
 if rows > slots then slots = math.max(rows, 2 * slots) end
 tokens = math.max(tokens, row_tokens)
+answer = math.max(answer, tonumber(ARGV[6]))
 local per_token = 0
-if row_tokens > 0 then per_token = row_bytes / row_tokens end
-local grow = math.max(0, math.ceil(slots * tokens * per_token) - held)
-local nodes = tonumber(ARGV[6])
+if row_tokens > 0 then per_token = row_bytes / (math.ceil(row_tokens / 256) * 256) end
+local positions = math.ceil((tokens + answer) / 256) * 256
+local grow = math.max(0, math.ceil(slots * positions * per_token) - held)
+local nodes = tonumber(ARGV[7])
 for i = 1, nodes do
   local reserved = KEYS[4 + i]
   if redis.call('HEXISTS', reserved, ARGV[1]) == 0 then return 0 end
   local used = 0
   for _, bytes in ipairs(redis.call('HVALS', reserved)) do used = used + tonumber(bytes) end
-  if used + grow > tonumber(ARGV[6 + i]) then return -1 end
+  if used + grow > tonumber(ARGV[7 + i]) then return -1 end
 end
 for i = 1, nodes do redis.call('HINCRBY', KEYS[4 + i], ARGV[1], grow) end
 redis.call('HSET', KEYS[3], ARGV[2], grow)
-redis.call('HSET', KEYS[4], 'slots', slots, 'tokens', tokens, 'bytes', held + grow)
+redis.call('HSET', KEYS[4], 'slots', slots, 'tokens', tokens, 'answer', answer, 'bytes',
+  held + grow)
 for i = 5 + nodes, #KEYS do redis.call('RPUSH', KEYS[i], ARGV[2]) end
 return 1
 """
@@ -189,35 +200,36 @@ class WarmGroups:
         max_batch: int,
         grow_bytes: int = 0,
         capacity_bytes: dict[str, int] | None = None,
-        row_tokens: int | None = None,
+        row: BatchRow | None = None,
     ) -> JoinOutcome:
         """Hand a job to a busy group whose batch holds fewer than `max_batch` jobs; it joins
         at the group's next decode step. `grow_bytes` is the job's own row (admission.estimate
-        `batch_row_bytes`) of `row_tokens` positions (read from its record if not given). With
+        `batch_row_bytes`), `row` its positions (read from its record if not given). With
         `capacity_bytes` (node -> budget), the group's reservation on each of its nodes grows in
         the same step to hold the batch's buffer after the join (see the module's "Memory"),
         and the job is refused ("no-memory") when a node's budget cannot hold that. Else "no":
         idle (claim it instead), full, retired, or holding no reservation."""
-        if row_tokens is None:
-            row_tokens = self.row_tokens(job_id)
+        if row is None:
+            row = self.batch_row(job_id)
         nodes = sorted(set(group.nodes)) if capacity_bytes is not None else []
         keys_ = [idle_key(group.group_id), keys.WARM_GROUPS, batch_key(group.group_id)]
         keys_ += [keys.group_batch_buffer(group.group_id)]
         keys_ += [keys.node_reserved(n) for n in nodes]
-        args: list[str | int] = [group.group_id, job_id, max_batch, grow_bytes, row_tokens]
+        args: list[str | int] = [group.group_id, job_id, max_batch, grow_bytes, row.tokens]
+        args += [row.answer_tokens]
         args += [len(nodes), *((capacity_bytes or {})[n] for n in nodes)]
         outcome = int(self._join(keys=[*keys_, *next_keys(group)], args=args))
         return "joined" if outcome == 1 else "no-memory" if outcome == -1 else "no"
 
-    def row_tokens(self, job_id: str) -> int:
-        """Positions the job's row of a decode batch holds (0 when its record or tokens are
-        gone: it then adds no length to the buffer)."""
+    def batch_row(self, job_id: str) -> BatchRow:
+        """The job's row of a decode batch (no positions when its record or tokens are gone:
+        it then adds no length to the buffer)."""
         store = JobStore(self.conn)
         try:
             spec, prompt = store.get(job_id).spec, len(store.get_tokens(job_id))
         except JobNotFoundError:
-            return 0
-        return batch_row_tokens(prompt, spec.max_tokens if spec.kind == JobKind.GENERATE else 0)
+            return BatchRow(0, 0)
+        return BatchRow(prompt, spec.max_tokens if spec.kind == JobKind.GENERATE else 0)
 
     def buffer(self, group_id: str) -> BatchBuffer:
         """The batch's KV buffer as the reservation counts it (empty when no job runs)."""
@@ -225,7 +237,8 @@ class WarmGroups:
             _text(k): int(v)
             for k, v in self.conn.hgetall(keys.group_batch_buffer(group_id)).items()
         }
-        return BatchBuffer(raw.get("slots", 0), raw.get("tokens", 0), raw.get("bytes", 0))
+        tokens = batch_buffer_tokens(raw.get("tokens", 0), raw.get("answer", 0))
+        return BatchBuffer(raw.get("slots", 0), tokens, raw.get("bytes", 0))
 
     def batch(self, group_id: str) -> list[str]:
         return sorted(_text(m) for m in self.conn.hkeys(batch_key(group_id)))
@@ -248,16 +261,16 @@ class WarmGroups:
         entry = WarmGroup(group=group, bytes_per_node=bytes_per_node, chunk_tokens=chunk_tokens)
         self.conn.hset(keys.WARM_GROUPS, group.group_id, entry.model_dump_json())
 
-    def started(self, group: GroupSpec, job_id: str, row_tokens: int | None = None) -> None:
+    def started(self, group: GroupSpec, job_id: str, row: BatchRow | None = None) -> None:
         """As a job starts (the dispatcher, then its rank 0): it is in the group's batch, and
-        its row (`row_tokens` positions, read from its record if not given) in the batch's
-        buffer. A job that joined is there already."""
+        its row (read from its record if not given) in the batch's buffer. A job that joined
+        is there already."""
         batch, buffer = batch_key(group.group_id), keys.group_batch_buffer(group.group_id)
         if self.conn.hexists(batch, job_id):
             return
-        if row_tokens is None:
-            row_tokens = self.row_tokens(job_id)
-        self._start(keys=[batch, buffer], args=[job_id, row_tokens])
+        if row is None:
+            row = self.batch_row(job_id)
+        self._start(keys=[batch, buffer], args=[job_id, row.tokens, row.answer_tokens])
 
     def ended(self, group: GroupSpec, job_id: str) -> None:
         """Rank 0, as a job leaves the batch (finished, cancelled, failed or skipped); the last

@@ -16,7 +16,7 @@ first moves every row right (one copy of the columns they hold); so does a join 
 cannot hold, which also drops the columns no row holds any more (on the left, after longer rows
 left). A row's room ends at its join column + max_tokens (`Rows.limits`), so the buffer never
 needs more than the longest row's prompt and answer plus the longest answer
-(admission.estimate `batch_row_tokens`). Leaving moves the last row into the freed one.
+(admission.estimate `batch_buffer_tokens`). Leaving moves the last row into the freed one.
 
 When every row has the same length (one sequence, or sequences that joined together) the step is
 mlx-lm's own single-sequence path: an integer offset, one slice update, no mask (fused attention).

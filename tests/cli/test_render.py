@@ -5,6 +5,7 @@ import time
 
 from rich.console import Console
 
+from admission.estimate import BatchRow
 from cli.render import (
     describe,
     live_batch_size,
@@ -127,7 +128,7 @@ def test_status_shows_the_batch_a_job_decodes_in_now(redis_conn):
     )
     warm = WarmGroups(redis_conn)
     warm.offer(group, 1000)
-    warm.started(group, "j1", row_tokens=256)
+    warm.started(group, "j1", BatchRow(256, 0))
     placement = Placement(
         strategy="single", ranks=1, nodes=["n0"], group_id="g-live", bytes_per_node=1000
     )
@@ -135,7 +136,7 @@ def test_status_shows_the_batch_a_job_decodes_in_now(redis_conn):
     assert live_batch_size(redis_conn, decoding) == 1
     assert "batch:" not in describe(decoding, live_batch_size(redis_conn, decoding))
     for other in ("j2", "j3"):
-        assert warm.join(group, other, 8, row_tokens=256) == "joined"
+        assert warm.join(group, other, 8, row=BatchRow(256, 0)) == "joined"
     now = live_batch_size(redis_conn, decoding)
     assert now == 3
     assert "batch: decoding in a batch of 3 jobs now" in describe(decoding, now)

@@ -1,14 +1,16 @@
 """What a joining job adds to its group's reservation (jobs/warm_groups.py `join`, from
-admission.estimate `batch_row_bytes`) matches what the decode batch really allocates
-(ring_worker/batch_cache.py): every row is as long as the longest row the batch has held, and
-rows double as jobs join a full buffer. Table test: a real Redis counts, a real BatchDecoder
-(tiny float32 model) allocates, through the same joins and leaves of mixed lengths."""
+admission.estimate `batch_row_bytes` and `batch_buffer_tokens`) holds what the decode batch
+really allocates (ring_worker/batch_cache.py), and at most the longest answer's room per row
+more: rows are aligned at their ends, so a row may need the longest row's length plus its own
+answer, and rows double as jobs join a full buffer. Table test: a real Redis counts, a real
+BatchDecoder (tiny float32 model) allocates, through the same joins and leaves of mixed
+lengths."""
 
 from dataclasses import dataclass
 
 import pytest
 
-from admission.estimate import MARGIN, Layout, batch_row_bytes, batch_row_tokens
+from admission.estimate import MARGIN, BatchRow, Layout, batch_row_bytes
 from jobs.model_catalog import read_model_shape, resolve_model
 from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec
@@ -40,6 +42,7 @@ CASES = {
         Row(300, 4, 6),
         Row(20, 10, 12),
     ],  # fmt: skip
+    "a long answer joins a long row near its end": [Row(700, 30, 0), Row(5, 300, 25)],
 }
 
 
@@ -75,7 +78,11 @@ def test_joins_reserve_what_the_batch_allocates(redis_conn, tiny, rows):
             own = batch_row_bytes(shape, first.prompt_tokens, first.max_tokens, Layout("single"))
             assert allocated <= own
             return
-        assert allocated <= extra_bytes() <= allocated * MARGIN + 1
+        longest_answer = -(-max(r.max_tokens for r in rows) // 256) * 256
+        slots, capacity = decoder.cache.layers[0].keys.shape[::2][:2]
+        per_position = allocated / (slots * capacity)
+        assert allocated <= extra_bytes()
+        assert extra_bytes() <= slots * (capacity + longest_answer) * per_position * MARGIN + 1
 
     try:
         step, joined = 0, set()
@@ -83,14 +90,14 @@ def test_joins_reserve_what_the_batch_allocates(redis_conn, tiny, rows):
             for index, row in enumerate(rows):
                 if row.join_step != step:
                     continue
-                key, positions = f"row{index}", batch_row_tokens(row.prompt_tokens, row.max_tokens)
+                key, batch_row = f"row{index}", BatchRow(row.prompt_tokens, row.max_tokens)
                 if index == 0:
-                    warm.started(spec, key, positions)
+                    warm.started(spec, key, batch_row)
                 else:
                     own = batch_row_bytes(
                         shape, row.prompt_tokens, row.max_tokens, Layout("single")
                     )
-                    assert warm.join(spec, key, 8, own, {"n0": BUDGET_BYTES}, positions) == "joined"
+                    assert warm.join(spec, key, 8, own, {"n0": BUDGET_BYTES}, batch_row) == "joined"
                 prefill = engine.prefill(prompt_tokens(row.prompt_tokens), 256)
                 decoder.add(DecodeRequest(key, row.max_tokens), prefill)
                 joined.add(key)

@@ -2,6 +2,7 @@
 (jobs/warm_groups.py `join`), its ranks take them between decode steps, the same words on every
 rank (`joined`), and a lost group retries every job of its batch (jobs/recovery.py)."""
 
+from admission.estimate import BatchRow
 from jobs import keys
 from jobs.lifecycle import JobState
 from jobs.recovery import reconcile, track_group
@@ -103,7 +104,7 @@ def test_joining_grows_the_reservation_to_the_batch_buffer_or_is_refused(redis_c
     allocation); a row that fits a free one adds nothing; the last job out gives it back."""
     warm, group = WarmGroups(redis_conn), two_ranks()
     warm.offer(group, 1000)
-    warm.started(group, group.job_id, row_tokens=256)
+    warm.started(group, group.job_id, BatchRow(256, 0))
     reservations = Reservations(redis_conn, lease_s=30)
     base = {node: (1000, 6000) for node in group.nodes}
     assert reservations.reserve(group.group_id, base) is None
@@ -111,7 +112,7 @@ def test_joining_grows_the_reservation_to_the_batch_buffer_or_is_refused(redis_c
     budget = {node: 6000 for node in group.nodes}
 
     def join(job: str, row_bytes: int, row_tokens: int) -> str:
-        return warm.join(group, job, 8, row_bytes, budget, row_tokens)
+        return warm.join(group, job, 8, row_bytes, budget, BatchRow(row_tokens, 0))
 
     def held() -> list[int]:
         return [reservations.held(n)[group.group_id] for n in group.nodes]
@@ -130,7 +131,7 @@ def test_joining_grows_the_reservation_to_the_batch_buffer_or_is_refused(redis_c
         assert held() == [3400, 3400]  # the buffer keeps its size while the batch runs
     warm.ended(group, "first")
     assert held() == [1000, 1000] and warm.buffer(group.group_id).slots == 0
-    warm.started(group, "next", row_tokens=256)  # the group's next batch starts afresh
+    warm.started(group, "next", BatchRow(256, 0))  # the group's next batch starts afresh
     assert join("d", 600, 256) == "joined" and held() == [2200, 2200]
     reservations.release(group.group_id, "n0")  # the group is gone from n0: nothing to grow
     assert join("e", 600, 256) == "no"
