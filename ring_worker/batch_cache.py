@@ -6,10 +6,12 @@ slice update, as for rows of one length, while RoPE takes per-row offsets (each 
 Attention reads columns [end - longest, end + 1), with a boolean mask hiding the columns before
 each row's own (on CUDA, ring_worker/rows_attention.py reads each row's own columns instead, no
 mask). Before, each row started at column 0 and wrote at its own length: a slice update per row,
-or one scatter above 6 rows. On an H200 (8B shape, ~4K-token rows), in one process, a step of 8
-rows of different lengths took 12.9 ms with those stores and 9.3 ms with every row written at one
-column, against 8.8 ms for 8 rows of one length (bench.step_cost_probe `--linears
-fused,fused+store`, pipelined medians of 2; h200-service/step-cost-ablations-2c5d8f1.json).
+or one scatter above 6 rows. On an H200 (8B shape, ~4K-token rows) a layer's scatter of K and V
+took 113 us of host time and one slice update of each 14.5 us (bench.step_cost_probe `ops`);
+in one process, a step of 8 rows of different lengths took 12.9 ms with those stores and 9.3 ms
+with every row written at one column (`--linears fused,fused+store`, pipelined medians of 2 on a
+noisy host: h200-service/step-cost-ablations-2c5d8f1.json). Aligned, 8 rows of different
+lengths stepped in 12.1 ms against 13.7 for 8 of one length (step-cost-aligned-2b25f71.json).
 
 A sequence joins by copying its K/V into a free row, ending at `end`. A joiner longer than `end`
 first moves every row right (one copy of the columns they hold); so does a join the buffer

@@ -4,8 +4,9 @@ Design (after reading mlx-lm 0.32's BatchGenerator / BatchKVCache and this engin
 - Prefill stays per sequence (`Engine.prefill`, ring or single, as today): mlx-lm's batched
   prefill measured ~3x slower than prefilling one after another on an H200 (issue 14).
 - A prefilled sequence joins the batch at the next step: its K/V is copied into one row of a
-  `BatchCache` (ring_worker/batch_cache.py; rows start at position 0, each with its own length,
-  so joining never re-pads the others), and its first token is sampled from its prefill logits.
+  `BatchCache` (ring_worker/batch_cache.py; rows are aligned at their ends, so one slice update
+  stores a step's K/V for all; only a joiner longer than every row moves the others, once), and
+  its first token is sampled from its prefill logits.
 - One step = one forward pass of plain mlx-lm modules over all rows ((rows, 1) tokens), per-row
   sampling (its own temperature and PRNG key), and one vote: the sampling rank's tokens and every
   rank's per-row stop flags, summed over ranks in one collective (`Engine._vote`, batched).
