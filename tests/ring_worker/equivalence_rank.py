@@ -16,7 +16,7 @@ from ring_worker.ring_attention import Exchange, KVLayout
 from ring_worker.strategies import make_engine
 from tests.ring_worker.tiny import load_tiny
 
-DECODE_TOKENS = 32
+DECODE_TOKENS = 12
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Every strategy over real multi-process mx.distributed groups (and the single-device engine)
 must match plain mlx-lm (float32): the logits of every step, prefill's last position within
-1e-4 and each of 32 greedy decode steps within 5e-4 (see DECODE_LOGITS_ATOL); the same greedy
+1e-4 and each of 12 greedy decode steps within 5e-4 (see DECODE_LOGITS_ATOL); the same greedy
 tokens; and the prefill progress sequence its formula gives ((0, M), then the end of each chunk,
 up to (M, M))."""
 

@@ -90,6 +90,10 @@ def stall_cluster() -> Iterator[LocalCluster]:
         "RINGQ_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S),
         "RINGQ_PREFILL_CHUNK_TOKENS": "64",
         "RINGQ_RANK_PORT_BASE": "31700",  # apart from the other clusters' ranks
+        # Heartbeats as tests/jobs/test_crash_recovery.py's: the retry is placed once a node
+        # lost with the group would be stale, 2.5 s after the stall rather than 7 s.
+        "RINGQ_NODE_HEARTBEAT_S": "0.5",
+        "RINGQ_NODE_TTL_S": "3",
     }
     with private_cluster("stall", env) as running:
         yield running
