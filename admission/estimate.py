@@ -177,8 +177,10 @@ def _rank_parameters(shape: ModelShape, layout: Layout, rank: int) -> tuple[int,
     return layers, params, embedding_here
 
 
-def _cache_tokens(tokens: int, step: int = 256) -> int:
-    """mlx-lm's KVCache grows in steps of 256 tokens."""
+CACHE_STEP_TOKENS = 256  # mlx-lm's KVCache, and a decode batch's buffer, grow by this many
+
+
+def _cache_tokens(tokens: int, step: int = CACHE_STEP_TOKENS) -> int:
     return -(-tokens // step) * step
 
 

@@ -137,16 +137,11 @@ def time_steps(
         decoder.add(DecodeRequest(str(index), total), prefill)
     mx.eval(decoder._vote)
     parts: dict[str, list[float]] = {"build": [], "dispatch": [], "wait": []}
-    real_async_eval = mx.async_eval
     ends = []
     with variant(engine.model, linears):
         for step in range(args.warm + args.steps):
-            mx.async_eval = lambda *_: None
             began = time.perf_counter()
-            try:
-                vote = decoder._queue_step()
-            finally:
-                mx.async_eval = real_async_eval
+            vote = build_step(decoder)
             built = time.perf_counter()
             mx.async_eval(vote)
             dispatched = time.perf_counter()
@@ -175,6 +170,23 @@ def time_steps(
     return cell
 
 
+def build_step(decoder: Any, profiler: Any = None) -> Any:
+    """Build the decoder's next step without dispatching it (its async_eval is skipped);
+    under `profiler` if given. Returns the step's vote (lazy)."""
+    import mlx.core as mx
+
+    real_async_eval = mx.async_eval
+    mx.async_eval = lambda *_: None
+    try:
+        if profiler is not None:
+            profiler.enable()
+        return decoder._queue_step()
+    finally:
+        if profiler is not None:
+            profiler.disable()
+        mx.async_eval = real_async_eval
+
+
 def profile_build(decoder: Any, steps: int, top: int = 30) -> list[dict[str, Any]]:
     """`steps` graph builds under cProfile (each evaluated before the next): the `top` functions
     by own time, in microseconds a step."""
@@ -184,19 +196,14 @@ def profile_build(decoder: Any, steps: int, top: int = 30) -> list[dict[str, Any
     import mlx.core as mx
 
     profiler = cProfile.Profile()
-    real_async_eval = mx.async_eval
     for _ in range(steps):
-        mx.async_eval = lambda *_: None
-        try:
-            profiler.enable()
-            vote = decoder._queue_step()
-            profiler.disable()
-        finally:
-            mx.async_eval = real_async_eval
+        vote = build_step(decoder, profiler)
         mx.eval(vote)
         decoder._vote = vote
+    # Stats.stats holds the raw seconds (get_stats_profile rounds them to milliseconds, and a
+    # function's share of a step is microseconds); typeshed does not declare the attribute.
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
-    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    found = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
     return [
         {
             "function": f"{Path(file).name}:{line}:{name}",
@@ -204,7 +211,7 @@ def profile_build(decoder: Any, steps: int, top: int = 30) -> list[dict[str, Any
             "own_us": round(1e6 * own / steps, 1),
             "cumulative_us": round(1e6 * cumulative / steps, 1),
         }
-        for (file, line, name), (_, calls, own, cumulative, _) in rows
+        for (file, line, name), (_, calls, own, cumulative, _) in found
     ]
 
 
@@ -224,8 +231,9 @@ def variant(model: Any, linears: str) -> Any:
 
 
 @contextmanager
-def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    saved = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+def patched(owner: type, name: str, value: Any) -> Iterator[None]:
+    """Within: the class attribute `name` (a property too) is `value`."""
+    saved = owner.__dict__[name]
     setattr(owner, name, value)
     try:
         yield
@@ -241,8 +249,10 @@ def sdpa_attend(model: Any) -> Iterator[None]:
 
     from ring_worker.rows_attention import RowsAttention
 
-    def attend(q: Any, keys: Any, values: Any, *rest: Any) -> Any:
-        rows, longest, scale = q.shape[0], rest[-2], rest[-1]
+    def attend(
+        q: Any, keys: Any, values: Any, _starts: Any, _lengths: Any, longest: int, scale: float
+    ) -> Any:
+        rows = q.shape[0]
         k, v = keys[:rows, :, :longest], values[:rows, :, :longest]
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 

@@ -36,7 +36,7 @@ from typing import Literal
 
 import redis
 
-from admission.estimate import BatchRow, batch_buffer_tokens
+from admission.estimate import CACHE_STEP_TOKENS, BatchRow, batch_buffer_tokens
 from jobs import keys
 from jobs.errors import JobNotFoundError
 from jobs.schemas import GroupSpec, JobKind, WarmGroup
@@ -84,13 +84,14 @@ return 1
 """
 # KEYS: idle, warm index, batch hash, buffer hash, each node's reserved hash (ARGV[7] of them),
 # then each rank's list. ARGV: group id, job id, max batch, the job's own row's bytes, its row's
-# positions and its answer's, node count, then each node's capacity. A busy group (offered, not
+# positions and its answer's, node count, the buffer's growth step (positions), then each node's
+# capacity. A busy group (offered, not
 # idle, not retired) takes one more job while its batch has room and every node's reservations
 # (all of them, expired leases too: conservative) can grow to hold the buffer after the join: as
 # many rows as ring_worker/batch_cache.py then allocates (doubling), each of the longest row's
-# positions plus the longest answer's in 256-token steps (admission.estimate
+# positions plus the longest answer's, in growth steps (admission.estimate
 # `batch_buffer_tokens`), at the job's bytes per position (the same for every row of the group;
-# its own row's bytes are for its positions in 256-token steps).
+# its own row's bytes are for its positions in growth steps).
 _JOIN = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return 0 end
@@ -105,8 +106,9 @@ if rows > slots then slots = math.max(rows, 2 * slots) end
 tokens = math.max(tokens, row_tokens)
 answer = math.max(answer, tonumber(ARGV[6]))
 local per_token = 0
-if row_tokens > 0 then per_token = row_bytes / (math.ceil(row_tokens / 256) * 256) end
-local positions = math.ceil((tokens + answer) / 256) * 256
+local step = tonumber(ARGV[8])
+if row_tokens > 0 then per_token = row_bytes / (math.ceil(row_tokens / step) * step) end
+local positions = math.ceil((tokens + answer) / step) * step
 local grow = math.max(0, math.ceil(slots * positions * per_token) - held)
 local nodes = tonumber(ARGV[7])
 for i = 1, nodes do
@@ -114,7 +116,7 @@ for i = 1, nodes do
   if redis.call('HEXISTS', reserved, ARGV[1]) == 0 then return 0 end
   local used = 0
   for _, bytes in ipairs(redis.call('HVALS', reserved)) do used = used + tonumber(bytes) end
-  if used + grow > tonumber(ARGV[7 + i]) then return -1 end
+  if used + grow > tonumber(ARGV[8 + i]) then return -1 end
 end
 for i = 1, nodes do redis.call('HINCRBY', KEYS[4 + i], ARGV[1], grow) end
 redis.call('HSET', KEYS[3], ARGV[2], grow)
@@ -216,8 +218,8 @@ class WarmGroups:
         keys_ += [keys.group_batch_buffer(group.group_id)]
         keys_ += [keys.node_reserved(n) for n in nodes]
         args: list[str | int] = [group.group_id, job_id, max_batch, grow_bytes, row.tokens]
-        args += [row.answer_tokens]
-        args += [len(nodes), *((capacity_bytes or {})[n] for n in nodes)]
+        args += [row.answer_tokens, len(nodes), CACHE_STEP_TOKENS]
+        args += [(capacity_bytes or {})[n] for n in nodes]
         outcome = int(self._join(keys=[*keys_, *next_keys(group)], args=args))
         return "joined" if outcome == 1 else "no-memory" if outcome == -1 else "no"
 

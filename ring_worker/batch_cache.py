@@ -31,7 +31,7 @@ from typing import Any
 
 import mlx.core as mx
 
-LENGTH_STEP_TOKENS = 256  # capacity grows by this many positions, as mlx-lm's KVCache does
+from admission.estimate import CACHE_STEP_TOKENS
 
 
 class Rows:
@@ -176,17 +176,12 @@ class SlotCache:
         self.keys, self.values = moved
 
     def _reserve(self, slots: int, length: int, like: mx.array) -> None:
-        """Grow the buffers to hold `slots` rows of `length` positions (zeros where new)."""
-        if self.keys is None or self.values is None:
-            capacity = _round_up(length, LENGTH_STEP_TOKENS)
-            _, heads, _, dim = like.shape
-            slots = max(slots, self.slots)
-            self.keys = mx.zeros((slots, heads, capacity, dim), like.dtype)
-            self.values = mx.zeros((slots, heads, capacity, dim), like.dtype)
-            return
+        """Grow the buffers (allocated by `relayout`) to hold `slots` rows of `length`
+        positions (zeros where new)."""
+        assert self.keys is not None and self.values is not None
         have_slots, heads, capacity, dim = self.keys.shape
         if length > capacity:
-            more = _round_up(length, LENGTH_STEP_TOKENS) - capacity
+            more = _round_up(length, CACHE_STEP_TOKENS) - capacity
             self.keys = _grow(self.keys, 2, more)
             self.values = _grow(self.values, 2, more)
         if slots > have_slots:
@@ -246,11 +241,10 @@ class BatchCache:
         the columns no row holds), in buffers just long enough for every row's room and a
         joiner's `max_tokens`."""
         rows = self.rows
-        held = bool(rows.lengths)
-        shift = end - rows.end if held else 0
+        shift = end - rows.end
         rows.limits = [limit + shift for limit in rows.limits]
-        capacity = _round_up(max([end + max_tokens, *rows.limits]), LENGTH_STEP_TOKENS)
-        start = rows.first if held else 0
+        capacity = _round_up(max([end + max_tokens, *rows.limits]), CACHE_STEP_TOKENS)
+        start = rows.first  # no row held: start + longest == start, nothing to copy
         for layer in self.layers:
             layer.relayout(capacity, start, start + rows.longest, shift, like)
         rows.end = end
