@@ -9,12 +9,14 @@ Times per cell (measured through the service, bench/results/batch-decode.md): CP
 8B shape, a 4K prefill 0.12 s and a step 5.5 ms + 0.49 ms per added row (engine level: the
 service's mixed-length steps are slower, host-bound), 256 tokens; and `h200-8b-service`, the
 service's own steps (H200_SERVICE_STEPS: a second row of another length +56 %) with its group's
-warm-up times as the budget's start. The group learns its times as the service's does
-(JoinBudget.times: every step and prefill it runs). One at a time is the sum
-of each job's prefill and one-row steps, in queue order. Prints one line per cell.
+warm-up times as the budget's start, also with each step's time drawn noisy (NOISE). The group
+learns its times as the service's does (JoinBudget.times: every step and prefill it runs). One at
+a time is the sum of each job's prefill and one-row steps, in queue order. Prints one line per
+cell.
 """
 
 import json
+import random
 from collections.abc import Callable
 
 from ring_worker.join_budget import JoinBudget, Waiting
@@ -43,6 +45,8 @@ def measured(points: dict[int, float]) -> Callable[[int], float]:
 H200_SERVICE_STEPS = measured({1: 0.0070, 2: 0.0109, 4: 0.0139, 8: 0.0134, 16: 0.0155, 32: 0.019})
 H200_SERVICE_WARM_UP = {1: 0.0043, 2: 0.00985, 4: 0.00816}
 
+NOISE, NOISY_SEEDS = 0.15, 5  # lognormal sigma of a step's time; seeds run
+
 CELLS = [  # name, jobs, prefill s, step s(rows), max_tokens, max_batch, warm-up step times
     ("cpu-smollm2", 8, 2.36, lambda n: 0.085 + 0.0083 * (n - 1), 64, 8, None),
     ("cpu-smollm2", 64, 2.36, lambda n: 0.085 + 0.0083 * (n - 1), 64, 8, None),
@@ -60,7 +64,12 @@ def simulate(
     max_batch: int,
     slowdown: float | None,
     warm_up: dict[int, float] | None = None,
+    noise: float = 0.0,
+    seed: int = 0,
 ) -> dict:
+    """`noise`: each step's time is its modelled one times a draw from a lognormal of this
+    sigma (seeded), as a shared host's steps vary."""
+    draw = random.Random(seed)
     budget = JoinBudget(slowdown, warm_up)
     waiting = [Waiting(str(i), 0.0, PROMPT_TOKENS, max_tokens) for i in range(jobs)]
     now, members, finished = 0.0, dict[str, int](), dict[str, float]()
@@ -74,7 +83,7 @@ def simulate(
         waiting = [
             job for job in waiting if job.job_id not in members and job.job_id not in finished
         ]
-        step = step_s(len(members))
+        step = step_s(len(members)) * (draw.lognormvariate(0.0, noise) if noise else 1.0)
         budget.times.saw_step(len(members), step)
         now += step
         for job_id in list(members):
@@ -96,6 +105,10 @@ def main() -> None:
         for slowdown in (None, 1.5):
             found = simulate(jobs, prefill_s, step_s, max_tokens, max_batch, slowdown, warm_up)
             print(json.dumps({"cell": name, "jobs": jobs, "max_slowdown": slowdown, **found}))
+    for seed in range(NOISY_SEEDS):  # the service cell with steps that vary as they do on a host
+        found = simulate(32, 0.12, H200_SERVICE_STEPS, 256, 32, 1.5, H200_SERVICE_WARM_UP,
+                         noise=NOISE, seed=seed)  # fmt: skip
+        print(json.dumps({"cell": "h200-8b-service", "noise": NOISE, "seed": seed, **found}))
 
 
 if __name__ == "__main__":

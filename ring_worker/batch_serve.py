@@ -99,7 +99,8 @@ class BatchServer:
         self.profile: cProfile.Profile | None = None
         self.budget = JoinBudget(ctx.settings.max_slowdown, step_s)  # rank 0 decides the joins
         self.waiting: dict[str, Waiting] = {}  # rank 0: jobs handed over, not started yet
-        self.just_joined = False
+        self.last_step: tuple[int, float] | None = None  # its rows and start (perf_counter)
+        self.unsampled_steps = 0  # steps after a join whose time the budget does not take
         self.held: set[str] = set()  # rank 0: jobs told they wait to join
 
     def run(self, first: JobIO, load_s: float, next_job: NextJob) -> None:
@@ -132,7 +133,7 @@ class BatchServer:
             self.joins.total_s += time.perf_counter() - began
 
     def join(self, io: JobIO, load_s: float) -> None:
-        lead, group = self.ctx.lead, self.ctx.group
+        lead, group, began = self.ctx.lead, self.ctx.group, time.perf_counter()
         if lead:
             io.batch_started(group)
         try:
@@ -144,10 +145,7 @@ class BatchServer:
                 return
             prefill_began = time.perf_counter()
             job = prefill_job(self.engine, self.ctx, io, self.watchdog, self.prefix)
-            prefill_s = time.perf_counter() - prefill_began
-            self.joins.prefill_s += prefill_s
-            if lead and self.budget.slowdown is not None:
-                self.arrived(io, job, prefill_s)
+            self.joins.prefill_s += time.perf_counter() - prefill_began
         except Cancelled as exc:  # every rank stops this job's prefill together
             log.info("job %s rank %d: cancelled, %s", io.job_id, self.ctx.rank, exc)
             if lead:
@@ -158,10 +156,12 @@ class BatchServer:
         text, clock = DecodeText(io, self.tokenizer, job.spec.stop, lead), ReportClock()
         report = kicking(self.watchdog, throttled(io, lead, clock))
         self.decoder.add(self.request(io, job, text, report), job.prefill)
-        self.just_joined = True
         keep_beside_batch(self.engine, self.prefix, io, job)
         self.members[io.job_id] = _Member(io, without_kv(job), load_s, text, clock)
         self.pace_members()
+        self.unsampled_steps = 2  # the step across the join, and the one reading its first token
+        if lead and self.budget.slowdown is not None:
+            self.arrived(io, job, time.perf_counter() - began)
 
     def request(
         self, io: JobIO, job: Prefilled, text: DecodeText, report: ProgressFn
@@ -184,26 +184,32 @@ class BatchServer:
             member.text.pace(factor)
             member.clock.interval_s = PROGRESS_INTERVAL_S * factor
 
-    def arrived(self, io: JobIO, job: Prefilled, prefill_s: float) -> None:
-        """Rank 0: the job's prefill, for its deadline and the group's prefill rate."""
+    def arrived(self, io: JobIO, job: Prefilled, joined_s: float) -> None:
+        """Rank 0: the job's whole join (its prefill and the rest: the stall it put on the
+        batch), for its deadline and the group's prefill rate."""
         tokens = len(job.tokens) - (job.start.tokens if job.start is not None else 0)
-        self.budget.times.saw_prefill(tokens, prefill_s)
+        self.budget.times.saw_prefill(tokens, joined_s)
         waiting = self.waiting.pop(io.job_id, None) or Waiting(
             io.job_id, io.submitted_at(), len(job.tokens), job.spec.max_tokens
         )
-        self.budget.arrive(waiting, prefill_s)
+        self.budget.arrive(waiting, joined_s)
 
     def step(self) -> None:
-        rows, began = len(self.members), time.perf_counter()
+        """One decode step. The budget's step time is the loop's: from one step's start to the
+        next (the hand-off, finished jobs' records and paced reports included)."""
+        began = time.perf_counter()
+        if self.last_step is not None and not self.unsampled_steps:
+            rows, then = self.last_step
+            self.budget.times.saw_step(rows, began - then)
+        self.unsampled_steps = max(0, self.unsampled_steps - 1)
+        self.last_step = (len(self.members), began)
         results = self.decoder.step()
-        if not self.just_joined:  # a step after a join reads the join's own first token
-            self.budget.times.saw_step(rows, time.perf_counter() - began)
-        self.just_joined = False
         for result in results:
             self.finish(result)
         if results:
             self.pace_members()
         if not self.decoder.busy:  # the batch is over: where its time went
+            self.last_step = None
             log.info("group %s rank %d: batch of %s; %s", self.ctx.group.group_id,
                      self.ctx.rank, self.joins.line(), self.decoder.times.line())  # fmt: skip
             self.decoder.times, self.joins = StepTimes(), JoinTimes()

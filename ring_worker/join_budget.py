@@ -14,21 +14,38 @@ within its deadline; the admitted ones count as members for the next. A member a
 every join back until it leaves: each join would make it later still. A waiting job's own
 deadline never keeps it out: joining later only finishes it later.
 
-The times are the group's own: step seconds per row count (exponential averages, starting from
-what its GPU warm-up measured at 1, 2 and 4 rows, where it ran), and prompt tokens per second of
-its prefills. A row count not seen yet is on the line through the two seen nearest to it; with
-only one seen (the CPU, which has no warm-up), an added row costs PRIOR_ROW_SHARE of a one-row
-step. Measured: a second row +44 % and each next +23 % on the CPU (SmolLM2, 51 -> 73 -> 120 ms at
-1, 2, 7 rows); on an H200 (8B, bf16) a second row +56 %, then ~+0.2 ms a row (7.2 -> 11.2 ->
-18.5 ms at 1, 2, 32 rows): there the prior admitted a second job too early, hence the warm-up.
+The times are the group's own, as its loop runs them: seconds from one step's start to the next
+(the step, the hand-off between steps, finished jobs' records) per row count, the median of the
+last RECENT_STEPS (deadlines take the lower quartile of one-row steps); a join's stall is its
+whole start (prefill, records, the copy into its row), per prompt token. Three guards keep a
+wrong guess from starving a member, since a join cannot be undone:
+- A row count not seen yet is estimated from above. Between two seen counts it is on the line
+  through them; above every seen count, each added row costs what the seen counts' slope says
+  (at least MIN_ROW_SHARE of the step). A second row, seen nowhere yet, costs
+  SECOND_ROW_SHARE of a one-row step, or more where the group's warm-up (GPU: short rows)
+  measured more: its times count only as ratios to its own one-row step, since short rows cost
+  less than long ones (its 4K-token steps took 12-13 ms at 2-5 rows on an H200, where the
+  warm-up's absolute times said 8-10). Measured: a second row +44 % and each next +23 % on the
+  CPU (SmolLM2, 51 -> 73 -> 120 ms at 1, 2, 7 rows); on an H200 (8B, bf16) a second row +56-90 %,
+  then ~+0.2-0.3 ms a row.
+- One join at a time: a row count is reached only after the group has run PROBE_STEPS steps at
+  the current one, and at most one join a turn goes to a count not seen yet.
+- Every projection is stretched by PLAN_MARGIN: steps on a shared host vary by ~10 % a minute.
 """
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
-AVERAGE_WEIGHT = 0.2  # of each new sample in an exponential average
-SETTLED_STEPS = 8  # step samples before deadlines are fixed (until then, recomputed each time)
-PRIOR_ROW_SHARE = 0.25  # an added row's cost, as a share of a one-row step (see above)
+AVERAGE_WEIGHT = 0.2  # of each new prefill sample in an exponential average
+RECENT_STEPS = 32  # steps kept per row count: their median is its step time
+SETTLED_STEPS = 16  # step samples before deadlines are fixed (until then, recomputed each time)
+SECOND_ROW_SHARE = 0.6  # a second row's cost, as a share of a one-row step, before one is seen
+ADDED_ROW_SHARE = 0.25  # each further row's, as a share of a one-row step, before a slope is seen
+MIN_ROW_SHARE = 0.02  # the least an added row is taken to cost, as a share of the step
+PROBE_STEPS = 3  # steps run at the batch's row count before another row joins
+PLAN_MARGIN = 1.1  # projected times are stretched by this (see above)
 
 
 @dataclass(frozen=True)
@@ -43,9 +60,11 @@ class Waiting:
 
 @dataclass
 class GroupTimes:
-    """What this group has measured of its own steps and prefills."""
+    """What this group has measured of its own steps and prefills (and its warm-up's steps)."""
 
-    step_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds per step
+    warm_up_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds, short rows
+    step_s: dict[int, float] = field(default_factory=dict)  # rows -> median of recent steps
+    recent_s: dict[int, deque[float]] = field(default_factory=dict)  # rows -> recent steps
     prefill_tok_s: float | None = None
     steps_seen: int = 0
 
@@ -54,27 +73,64 @@ class GroupTimes:
         return self.steps_seen >= SETTLED_STEPS
 
     def saw_step(self, rows: int, seconds: float) -> None:
-        self.step_s[rows] = _averaged(self.step_s.get(rows), seconds)
+        recent = self.recent_s.setdefault(rows, deque(maxlen=RECENT_STEPS))
+        recent.append(seconds)
+        self.step_s[rows] = statistics.median(recent)
         self.steps_seen += 1
+
+    def one_row_low(self) -> float:
+        """A one-row step, on the low side (the lower quartile of the recent ones): deadlines
+        from it are tighter than from the middle, never looser."""
+        recent = self.recent_s.get(1)
+        if not recent or len(recent) < 4:
+            return self.step(1)
+        return statistics.quantiles(recent, n=4)[0]
 
     def saw_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.prefill_tok_s = _averaged(self.prefill_tok_s, tokens / seconds)
 
+    def known(self, rows: int) -> bool:
+        """Whether the group has run PROBE_STEPS steps at `rows` rows."""
+        return len(self.recent_s.get(rows, ())) >= PROBE_STEPS
+
     def step(self, rows: int) -> float:
-        """Seconds per step at `rows` rows (0.0 before any step was seen): as seen, else on
-        the line through the two row counts seen nearest to it, else (one seen) at
-        PRIOR_ROW_SHARE of a one-row step per row."""
-        if rows in self.step_s or not self.step_s:
-            return self.step_s.get(rows, 0.0)
-        near = sorted(self.step_s, key=lambda n: (abs(n - rows), n))[:2]
-        seen = near[0]
-        if len(near) == 2:
-            other = near[1]
-            per_row = (self.step_s[other] - self.step_s[seen]) / (other - seen)
-        else:
-            per_row = self.step_s[seen] * PRIOR_ROW_SHARE / (1 + PRIOR_ROW_SHARE * (seen - 1))
-        return max(self.step_s[seen], self.step_s[seen] + (rows - seen) * max(per_row, 0.0))
+        """Seconds per step at `rows` rows, estimated from above where not seen (see the
+        module's docstring); before any step of its own, the warm-up's (0.0 without one)."""
+        seen = self.step_s or self.warm_up_s
+        if rows in seen or not seen:
+            return seen.get(rows, 0.0)
+        below = [n for n in seen if n < rows]
+        above = [n for n in seen if n > rows]
+        if not below:
+            return seen[min(above)]
+        low = max(below)
+        if above:
+            high = min(above)
+            return seen[low] + (seen[high] - seen[low]) * (rows - low) / (high - low)
+        if low == 1:
+            return seen[1] * self._share_over_one_row(rows)
+        return seen[low] + (rows - low) * self._added_row_s(seen, low)
+
+    def _share_over_one_row(self, rows: int) -> float:
+        """A step of `rows` rows as a multiple of a one-row step, no more rows seen: the priors,
+        or the warm-up's ratios where they say more."""
+        prior = 1 + SECOND_ROW_SHARE + ADDED_ROW_SHARE * (rows - 2)
+        warm = self.warm_up_s
+        if 1 not in warm or warm[1] <= 0:
+            return prior
+        return max([prior] + [warm[n] / warm[1] for n in warm if 1 < n <= rows])
+
+    def _added_row_s(self, seen: dict[int, float], low: int) -> float:
+        """What a row added above `low` (>= 2 rows, the most seen) costs: the slope from the
+        next count seen below it (2 rows or more), else ADDED_ROW_SHARE of a one-row step."""
+        floor_s = MIN_ROW_SHARE * seen[low]
+        lower = [n for n in seen if 2 <= n < low]
+        if lower:
+            other = max(lower)
+            return max(floor_s, (seen[low] - seen[other]) / (low - other))
+        one_row_s = seen.get(1, seen[low] / (1 + SECOND_ROW_SHARE))
+        return max(floor_s, ADDED_ROW_SHARE * one_row_s)
 
     def prefill(self, tokens: int) -> float:
         """Seconds to prefill `tokens` (0.0 before any prefill was seen)."""
@@ -92,12 +148,13 @@ class JoinBudget:
 
     def __init__(self, slowdown: float | None, step_s: dict[int, float] | None = None):
         """`slowdown` None: no bound (every waiting job is admitted). `step_s`: seconds per step
-        by row count measured before the group's first job (its GPU warm-up), the start of its
-        averages; they count as no step seen, so deadlines still settle on the group's own."""
+        by row count measured before the group's first job (its GPU warm-up, on short rows): its
+        ratios to one row bound the estimates from below (GroupTimes.step); they count as no
+        step seen, so deadlines still settle on the group's own."""
         if slowdown is not None and slowdown < 1:
             raise ValueError(f"slowdown must be at least 1, got {slowdown}")
         self.slowdown = slowdown
-        self.times = GroupTimes(step_s=dict(step_s or {}))
+        self.times = GroupTimes(warm_up_s=dict(step_s or {}))
         self.deadlines: dict[str, float] = {}
         self._arrived: list[tuple[Waiting, float | None]] = []  # deadlines not fixed yet
         self._seen: set[str] = set()
@@ -131,6 +188,8 @@ class JoinBudget:
             self.arrive(job)
         self._fix_deadlines()
         members = dict(remaining)
+        if not self.times.known(len(members)):
+            return 0  # the batch's step at this size is not measured yet
         stall_s, admitted = 0.0, 0
         for job in waiting:
             job_stall_s = stall_s + self.times.prefill(job.prompt_tokens)
@@ -138,6 +197,8 @@ class JoinBudget:
                 break
             members[job.job_id] = job.max_tokens
             stall_s, admitted = job_stall_s, admitted + 1
+            if not self.times.known(len(members)):
+                break  # one join at a time to a row count not measured yet
         return admitted
 
     def _fix_deadlines(self) -> None:
@@ -147,7 +208,7 @@ class JoinBudget:
         for job, prefill_s in self._arrived:
             if prefill_s is None:
                 prefill_s = self.times.prefill(job.prompt_tokens)
-            alone_s = prefill_s + job.max_tokens * self.times.step(1)
+            alone_s = prefill_s + job.max_tokens * self.times.one_row_low()
             virtual_end = max(virtual_end, job.submitted) + alone_s
             if job.job_id in self._seen and self.slowdown is not None:  # not left yet
                 allowed_s = self.slowdown * (virtual_end - job.submitted)
@@ -160,6 +221,7 @@ class JoinBudget:
         member within its deadline."""
         step_s = self.times.step(len(members) + 1)
         return all(
-            now + join_stall_s + tokens * step_s <= self.deadlines.get(job_id, math.inf)
+            now + PLAN_MARGIN * (join_stall_s + tokens * step_s)
+            <= self.deadlines.get(job_id, math.inf)
             for job_id, tokens in members.items()
         )

@@ -5,7 +5,14 @@ import math
 
 import pytest
 
-from ring_worker.join_budget import SETTLED_STEPS, GroupTimes, JoinBudget, Waiting
+from ring_worker.join_budget import (
+    PLAN_MARGIN,
+    PROBE_STEPS,
+    SETTLED_STEPS,
+    GroupTimes,
+    JoinBudget,
+    Waiting,
+)
 
 PREFILL_TOK_S = 1000.0  # every prompt below is 1,000 tokens: 1 s of prefill
 STEP_S = {1: 0.1, 2: 0.11, 3: 0.12, 4: 0.13}
@@ -15,7 +22,8 @@ def budget(slowdown: float | None = 1.5) -> JoinBudget:
     found = JoinBudget(slowdown)
     found.times.saw_prefill(1000, 1000 / PREFILL_TOK_S)
     for rows, seconds in STEP_S.items():
-        found.times.saw_step(rows, seconds)
+        for _ in range(PROBE_STEPS):
+            found.times.saw_step(rows, seconds)
     return found
 
 
@@ -43,14 +51,35 @@ def test_a_later_submission_starts_its_own_clock():
 
 def test_joins_stop_where_a_member_would_miss_its_deadline():
     """j0 (deadline 3 s) decodes at t = 1.2 with 8 tokens left: alone it ends at 2.0 s. One
-    joiner (1 s prefill, then 8 x 0.11 s) ends it at 3.08 s > 3: nobody joins. With more
-    slack (slowdown 2: deadline 4 s) j1 joins, and j2 would push j0 to 4.2 s: one joins."""
+    joiner (1 s prefill, then 8 x 0.11 s, stretched by PLAN_MARGIN 1.1) ends it at 3.27 s > 3:
+    nobody joins. With more slack (slowdown 2: deadline 4 s) j1 joins, and j2 would push j0 to
+    1.2 + 1.1 x (2 + 8 x 0.12) = 4.46 s: one joins."""
+    assert pytest.approx(1.1) == PLAN_MARGIN
     tight = budget()
     tight.arrive(job(0), prefill_s=1.0)
     assert tight.admit(1.2, {"j0": 8}, [job(1), job(2)]) == 0
     loose = budget(slowdown=2.0)
     loose.arrive(job(0), prefill_s=1.0)
     assert loose.admit(1.2, {"j0": 8}, [job(1), job(2)]) == 1
+
+
+def test_joins_wait_until_the_batch_has_stepped_at_its_size():
+    found = JoinBudget(10.0)
+    found.times.saw_prefill(1000, 0.1)
+    found.arrive(job(0), prefill_s=0.1)
+    for steps in range(PROBE_STEPS):
+        assert found.admit(0.2, {"j0": 10}, [job(1)]) == 0, steps
+        found.times.saw_step(1, 0.1)
+    assert found.admit(0.5, {"j0": 7}, [job(1)]) == 1
+
+
+def test_one_join_at_a_time_to_a_row_count_not_measured():
+    """With every deadline far off, joins to counts already measured go together; the first
+    one to a count not measured ends the turn."""
+    found = budget(slowdown=100.0)
+    found.arrive(job(0), prefill_s=1.0)
+    assert found.admit(1.2, {"j0": 8}, [job(n) for n in range(1, 6)]) == 4  # to 2, 3, 4, 5 rows
+    assert found.admit(1.2, {"j0": 8, "j1": 8, "j2": 8, "j3": 8, "j4": 8}, [job(5)]) == 0
 
 
 def test_a_member_already_late_holds_joins_back():
@@ -72,16 +101,45 @@ def test_no_bound_admits_everyone(slowdown):
     assert found.admit(1.2, {"j0": 8}, [job(n) for n in range(1, 4)]) == 3
 
 
-def test_step_times_extrapolate_from_the_row_counts_seen():
+def test_step_times_are_estimated_from_above():
     times = GroupTimes()
     assert times.step(4) == 0.0 and times.prefill(100) == 0.0
     times.saw_step(1, 0.1)
-    assert times.step(5) == pytest.approx(0.2)  # a quarter of a one-row step per added row
+    assert times.step(2) == pytest.approx(0.16)  # a second row: +60 % of a one-row step
+    assert times.step(5) == pytest.approx(0.1 * (1.6 + 3 * 0.25))  # then +25 % a row
     times.saw_step(8, 0.17)
-    assert times.step(9) == pytest.approx(0.18)  # on the line through 1 and 8 rows
-    assert times.step(4) == pytest.approx(0.13)
-    times.saw_step(1, 0.2)  # averaged, not replaced
-    assert 0.1 < times.step(1) < 0.2
+    assert times.step(4) == pytest.approx(0.1 + 0.07 * 3 / 7)  # on the line through 1 and 8
+    assert times.step(9) == pytest.approx(0.17 + 0.025)  # no slope above 2 rows: the prior
+    times.saw_step(4, 0.2)  # a slope that falls (4 rows cost more than 8): the floor
+    assert times.step(10) == pytest.approx(0.17 + 2 * 0.02 * 0.17)
+    assert times.step(1) == pytest.approx(0.1)
+    times.saw_step(1, 0.3)
+    times.saw_step(1, 0.2)
+    assert times.step(1) == pytest.approx(0.2)  # the median of the recent ones
+
+
+def test_warm_up_times_count_as_ratios_to_its_own_one_row_step():
+    """The H200's warm-up on rows of 8-24 tokens: 4.3 ms at one row, 9.85 at two (x2.29), 8.16
+    at four. The group's own one-row steps of 4K-token rows take 6 ms: two rows are taken at
+    6 x 2.29 = 13.7 ms (the prior's +60 % would say 9.6), and before any step of its own the
+    warm-up's times stand."""
+    warm = {1: 0.0043, 2: 0.00985, 4: 0.00816}
+    times = GroupTimes(warm_up_s=dict(warm))
+    assert times.step(2) == pytest.approx(0.00985)
+    times.saw_step(1, 0.006)
+    assert times.step(2) == pytest.approx(0.006 * 0.00985 / 0.0043)
+    assert times.step(4) == pytest.approx(0.006 * max(1.6 + 2 * 0.25, 0.00985 / 0.0043))
+
+
+def test_deadlines_take_the_low_side_of_one_row_steps():
+    """Eight one-row steps of 0.1 s and 0.2 s alternating: the median is 0.15 s, the lower
+    quartile 0.1 s, so a 10-token job's deadline (1 s prefill) is 1.5 x 2 s, not 1.5 x 2.5 s."""
+    found = JoinBudget(1.5)
+    for n in range(SETTLED_STEPS):
+        found.times.saw_step(1, 0.1 if n % 2 else 0.2)
+    found.arrive(job(0), prefill_s=1.0)
+    found.admit(1.0, {"j0": 10}, [])
+    assert found.deadlines["j0"] == pytest.approx(3.0)
 
 
 def test_slowdown_below_one_is_refused():
@@ -103,7 +161,8 @@ def test_deadlines_follow_the_step_time_until_it_settles():
     found.admit(2.0, {"j0": 5}, [])
     settled = found.deadlines["j0"]
     assert early < settled  # 1.5 x (1 + 10 x 0.01) moved up towards 1.5 x (1 + 10 x 0.1)
-    found.times.saw_step(1, 1.0)
+    for _ in range(SETTLED_STEPS):
+        found.times.saw_step(1, 1.0)
     found.admit(3.0, {"j0": 4}, [])
     assert found.deadlines["j0"] == settled
 
@@ -117,17 +176,19 @@ def test_a_measured_prefill_replaces_the_guess():
 
 
 def test_warm_up_step_times_hold_a_join_the_prior_would_admit():
-    """The H200's steps (8B: 7.2 ms at one row, 11.2 at two): a second row costs +56 %, more
-    than the prior's +25 %. Job 0 alone: 0.1 s of prefill + 256 x 7.2 ms, so its deadline is
-    1.5 x 1.94 s = 2.91 s. Job 1 joining at 0.2 s (0.1 s of prefill) ends job 0 at 0.3 + 250
-    steps: 2.55 s at the prior's two-row step (admitted), 3.1 s at the measured one (held)."""
+    """The H200's steps (8B): 7.2 ms at one row of its own. Job 0 alone: 0.1 s of prefill +
+    256 x 7.2 ms, so its deadline is 1.5 x 1.94 s = 2.91 s. Job 1 joining at 1.2 s (0.1 s of
+    prefill) with 100 tokens left ends job 0 at 1.2 + 1.1 x (0.1 + 100 x the two-row step):
+    2.58 s at the prior's 11.5 ms (admitted); 3.12 s at the warm-up's ratio, 2.29 (held)."""
 
-    def joins(step_s: dict[int, float]) -> int:
-        found = JoinBudget(1.5, step_s)
+    def joins(warm_up: dict[int, float] | None) -> int:
+        found = JoinBudget(1.5, warm_up)
         found.times.saw_prefill(1000, 0.1)
+        for _ in range(PROBE_STEPS):
+            found.times.saw_step(1, 0.0072)
         found.arrive(job(0, max_tokens=256), prefill_s=0.1)
-        return found.admit(0.2, {"j0": 250}, [job(1, max_tokens=256)])
+        return found.admit(1.2, {"j0": 100}, [job(1, max_tokens=256)])
 
-    assert joins({1: 0.0072}) == 1
-    assert joins({1: 0.0072, 2: 0.0112}) == 0
+    assert joins(None) == 1
+    assert joins({1: 0.0043, 2: 0.00985}) == 0
     assert not JoinBudget(1.5, {1: 0.0072, 2: 0.0112}).times.settled  # seeds are not steps seen
