@@ -85,6 +85,8 @@ def simulate(
         ]
         step = step_s(len(members)) * (draw.lognormvariate(0.0, noise) if noise else 1.0)
         budget.times.saw_step(len(members), step)
+        if len(members) == 1:
+            budget.times.saw_alone_step(step)
         now += step
         for job_id in list(members):
             members[job_id] -= 1

@@ -39,7 +39,7 @@ from ring_worker.engine import Cancelled, DecodeResult, Engine, ProgressFn
 from ring_worker.job_io import JobIO
 from ring_worker.job_prefix import memory_room
 from ring_worker.job_report import PROGRESS_INTERVAL_S, ReportClock, enter, kicking, throttled
-from ring_worker.join_budget import JoinBudget, Waiting
+from ring_worker.join_budget import JoinBudget, LoopClock, Waiting
 from ring_worker.prefix_reuse import RankPrefixCache
 from ring_worker.rank_main import (
     Prefilled,
@@ -99,8 +99,7 @@ class BatchServer:
         self.profile: cProfile.Profile | None = None
         self.budget = JoinBudget(ctx.settings.max_slowdown, step_s)  # rank 0 decides the joins
         self.waiting: dict[str, Waiting] = {}  # rank 0: jobs handed over, not started yet
-        self.last_step: tuple[int, float] | None = None  # its rows and start (perf_counter)
-        self.unsampled_steps = 0  # steps after a join whose time the budget does not take
+        self.loop_clock = LoopClock(self.budget.times)
         self.held: set[str] = set()  # rank 0: jobs told they wait to join
 
     def run(self, first: JobIO, load_s: float, next_job: NextJob) -> None:
@@ -159,7 +158,8 @@ class BatchServer:
         keep_beside_batch(self.engine, self.prefix, io, job)
         self.members[io.job_id] = _Member(io, without_kv(job), load_s, text, clock)
         self.pace_members()
-        self.unsampled_steps = 2  # the step across the join, and the one reading its first token
+        tokens = len(job.tokens) - (job.start.tokens if job.start is not None else 0)
+        self.loop_clock.joined(tokens)
         if lead and self.budget.slowdown is not None:
             self.arrived(io, job, time.perf_counter() - began)
 
@@ -185,31 +185,23 @@ class BatchServer:
             member.clock.interval_s = PROGRESS_INTERVAL_S * factor
 
     def arrived(self, io: JobIO, job: Prefilled, joined_s: float) -> None:
-        """Rank 0: the job's whole join (its prefill and the rest: the stall it put on the
-        batch), for its deadline and the group's prefill rate."""
-        tokens = len(job.tokens) - (job.start.tokens if job.start is not None else 0)
-        self.budget.times.saw_prefill(tokens, joined_s)
+        """Rank 0: the job's deadline, from its whole join (its prefill and records)."""
         waiting = self.waiting.pop(io.job_id, None) or Waiting(
             io.job_id, io.submitted_at(), len(job.tokens), job.spec.max_tokens
         )
         self.budget.arrive(waiting, joined_s)
 
     def step(self) -> None:
-        """One decode step. The budget's step time is the loop's: from one step's start to the
-        next (the hand-off, finished jobs' records and paced reports included)."""
-        began = time.perf_counter()
-        if self.last_step is not None and not self.unsampled_steps:
-            rows, then = self.last_step
-            self.budget.times.saw_step(rows, began - then)
-        self.unsampled_steps = max(0, self.unsampled_steps - 1)
-        self.last_step = (len(self.members), began)
+        """One decode step, timed for the join budget as the loop runs it (LoopClock)."""
+        self.loop_clock.step_began(len(self.members), time.perf_counter())
         results = self.decoder.step()
+        self.loop_clock.step_ended(time.perf_counter())
         for result in results:
             self.finish(result)
         if results:
             self.pace_members()
         if not self.decoder.busy:  # the batch is over: where its time went
-            self.last_step = None
+            self.loop_clock.batch_ended()
             log.info("group %s rank %d: batch of %s; %s", self.ctx.group.group_id,
                      self.ctx.rank, self.joins.line(), self.decoder.times.line())  # fmt: skip
             self.decoder.times, self.joins = StepTimes(), JoinTimes()
@@ -296,6 +288,10 @@ class BatchServer:
         free = max(0, self.max_batch - len(self.members))
         waiting = [self.waiting_job(io) for io in handed[:free]]
         admitted = self.budget.admit(time.time(), self.decoder.remaining(), waiting)
+        if admitted:
+            log.info("group %s: %d job(s) join, from %s; the tightest member's projected finish "
+                     "is %.2fs inside its deadline", self.ctx.group.group_id, admitted,
+                     waiting[0].job_id, self.budget.slack_s)  # fmt: skip
         if admitted < len(waiting) and (held := waiting[admitted].job_id) not in self.held:
             self.held.add(held)  # said once per job: it is asked again every step
             log.info("group %s: job %s waits to join: a member would finish past %.1fx its "

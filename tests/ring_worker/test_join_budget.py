@@ -11,6 +11,7 @@ from ring_worker.join_budget import (
     SETTLED_STEPS,
     GroupTimes,
     JoinBudget,
+    LoopClock,
     Waiting,
 )
 
@@ -132,14 +133,38 @@ def test_warm_up_times_count_as_ratios_to_its_own_one_row_step():
 
 
 def test_deadlines_take_the_low_side_of_one_row_steps():
-    """Eight one-row steps of 0.1 s and 0.2 s alternating: the median is 0.15 s, the lower
-    quartile 0.1 s, so a 10-token job's deadline (1 s prefill) is 1.5 x 2 s, not 1.5 x 2.5 s."""
+    """One-row steps by themselves of 0.1 s and 0.2 s alternating: the median is 0.15 s, the
+    lower quartile 0.1 s, so a 10-token job's deadline (1 s prefill) is 1.5 x 2 s, not 1.5 x
+    2.5 s. The loop's steps (0.3 s: hand-offs between them) do not count."""
     found = JoinBudget(1.5)
     for n in range(SETTLED_STEPS):
-        found.times.saw_step(1, 0.1 if n % 2 else 0.2)
+        found.times.saw_step(1, 0.3)
+        found.times.saw_alone_step(0.1 if n % 2 else 0.2)
     found.arrive(job(0), prefill_s=1.0)
     found.admit(1.0, {"j0": 10}, [])
     assert found.deadlines["j0"] == pytest.approx(3.0)
+
+
+def test_the_loop_clock_times_steps_start_to_start_and_joins_by_their_gap():
+    times = GroupTimes()
+    clock = LoopClock(times)
+    clock.step_began(1, 10.0)
+    clock.step_ended(10.1)
+    clock.step_began(1, 10.3)  # 0.3 s a step, 0.1 of it the step itself
+    assert times.step(1) == pytest.approx(0.3) and list(times.alone_s) == [pytest.approx(0.1)]
+    clock.step_ended(10.4)
+    clock.joined(1000)
+    clock.step_began(2, 11.4)  # a gap of 1.1 s, 0.1 of it the step: 1,000 tokens in 1 s
+    assert times.prefill(1000) == pytest.approx(1.0)
+    clock.step_ended(11.5)
+    clock.step_began(2, 11.9)  # the step reading the joiner's first token: not taken
+    assert 2 not in times.step_s
+    clock.step_ended(12.0)
+    clock.step_began(2, 12.1)
+    assert times.step(2) == pytest.approx(0.2)
+    clock.batch_ended()
+    clock.step_began(1, 100.0)  # the idle time between batches is no step
+    assert times.step(1) == pytest.approx(0.3)
 
 
 def test_slowdown_below_one_is_refused():
