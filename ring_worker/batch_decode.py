@@ -275,21 +275,43 @@ class BatchDecoder:
         mx.clear_cache()
 
 
-def warm_up(engine: Engine) -> dict[int, float]:
+@dataclass(frozen=True)
+class WarmUpSteps:
+    """What a batching group's warm-up measured (seconds per step, on short rows): a batch's
+    steps by row count, and a step one at a time (`Engine.decode`, as with RINGQ_MAX_BATCH=1)."""
+
+    batch_s: dict[int, float]
+    alone_s: float
+
+
+def warm_up(engine: Engine) -> WarmUpSteps:
     """Run what a batch's steps run, then time them: rows of three lengths join, decode
     together and leave at different steps; then MEASURED_ROWS rows of different lengths decode
-    MEASURED_STEPS steps each. Returns seconds per step by row count (the median), which seed
-    the group's join budget (ring_worker/join_budget.py). On an H200 a fresh process compiled
-    its kernels (NVRTC: gathers, scatters, fused elementwise, the mixed-length attention; 1-4 s
-    each) inside its first batch's steps: py-spy of a 32-job batch put 54 % of rank 0's samples
-    in NVRTC. MLX keeps what it compiles on disk (its PTX cache), so a later group process
-    reads it back."""
+    MEASURED_STEPS steps each, and one sequence one at a time. Returns seconds per step (the
+    medians), which seed the group's join budget (ring_worker/join_budget.py). On an H200 a
+    fresh process compiled its kernels (NVRTC: gathers, scatters, fused elementwise, the
+    mixed-length attention; 1-4 s each) inside its first batch's steps: py-spy of a 32-job
+    batch put 54 % of rank 0's samples in NVRTC. MLX keeps what it compiles on disk (its PTX
+    cache), so a later group process reads it back."""
     decoder = BatchDecoder(engine)
     for row, length in enumerate(WARM_UP_LENGTHS):
         request = DecodeRequest(key=str(row), max_tokens=row + 2)
         decoder.add(request, engine.prefill([0] * length, length))
     decoder.run()
-    return {rows: _time_steps(engine, rows) for rows in MEASURED_ROWS}
+    return WarmUpSteps(
+        {rows: _time_steps(engine, rows) for rows in MEASURED_ROWS}, _time_alone(engine)
+    )
+
+
+def _time_alone(engine: Engine) -> float:
+    """Median seconds per step of one sequence through `Engine.decode` (one at a time's path)."""
+    length, ends = WARM_UP_LENGTHS[0], list[float]()
+    engine.decode(
+        engine.prefill([0] * length, length),
+        MEASURED_STEPS + 3,
+        on_progress=lambda *_: ends.append(time.perf_counter()),
+    )
+    return statistics.median(b - a for a, b in itertools.pairwise(ends[1:]))
 
 
 def _time_steps(engine: Engine, rows: int) -> float:

@@ -33,7 +33,13 @@ from jobs.errors import JobNotFoundError
 from jobs.lifecycle import JobState
 from jobs.schemas import JobKind
 from jobs.tokenizer import ChatTokenizer
-from ring_worker.batch_decode import BatchDecoder, DecodeRequest, SequenceResult, StepTimes
+from ring_worker.batch_decode import (
+    BatchDecoder,
+    DecodeRequest,
+    SequenceResult,
+    StepTimes,
+    WarmUpSteps,
+)
 from ring_worker.decode_text import partial_result
 from ring_worker.engine import Cancelled, DecodeResult, Engine, ProgressFn
 from ring_worker.job_io import JobIO
@@ -85,7 +91,7 @@ class BatchServer:
         watchdog: Watchdog,
         prefix: RankPrefixCache | None,
         max_batch: int,
-        step_s: dict[int, float] | None = None,
+        warm_up: WarmUpSteps | None = None,
     ):
         """`step_s`: seconds per decode step by row count, measured at warm-up (GPU), which
         the join budget starts from."""
@@ -97,7 +103,8 @@ class BatchServer:
         self.members: dict[str, _Member] = {}
         self.joins = JoinTimes()
         self.profile: cProfile.Profile | None = None
-        self.budget = JoinBudget(ctx.settings.max_slowdown, step_s)  # rank 0 decides the joins
+        step_s, alone_s = (warm_up.batch_s, warm_up.alone_s) if warm_up else (None, None)
+        self.budget = JoinBudget(ctx.settings.max_slowdown, step_s, alone_s)  # rank 0 decides
         self.waiting: dict[str, Waiting] = {}  # rank 0: jobs handed over, not started yet
         self.loop_clock = LoopClock(self.budget.times)
         self.held: set[str] = set()  # rank 0: jobs told they wait to join

@@ -18,8 +18,8 @@ The times are the group's own, as its loop runs them (LoopClock): seconds from o
 to the next (the step, the hand-off between steps, finished jobs' records) per row count, the
 median of the last RECENT_STEPS; a join's stall is the gap it opened between two steps, per
 prompt token. Deadlines take the lower quartile of one-row steps by themselves (one at a time
-runs no hand-off between steps: 6.1 against 7.4 ms a step in one H200 run). Three guards keep a
-wrong guess from starving a member, since a join cannot be undone:
+runs no hand-off between steps), scaled to one at a time's own path as the warm-up measured it.
+Three guards keep a wrong guess from starving a member, since a join cannot be undone:
 - A row count not seen yet is estimated from above. Between two seen counts it is on the line
   through them; above every seen count, each added row costs what the seen counts' slope says
   (at least MIN_ROW_SHARE of the step). A second row, seen nowhere yet, costs
@@ -67,6 +67,7 @@ class GroupTimes:
     step_s: dict[int, float] = field(default_factory=dict)  # rows -> median of recent steps
     recent_s: dict[int, deque[float]] = field(default_factory=dict)  # rows -> recent steps
     alone_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    warm_up_alone_s: float | None = None  # a step one at a time (Engine.decode), short rows
     prefill_tok_s: float | None = None
     steps_seen: int = 0
 
@@ -86,11 +87,15 @@ class GroupTimes:
         self.alone_s.append(seconds)
 
     def one_row_low(self) -> float:
-        """A one-row step as one at a time runs it, on the low side (the lower quartile of the
-        recent ones): deadlines from it are tighter than from the middle, never looser."""
-        if len(self.alone_s) < 4:
-            return self.step(1)
-        return statistics.quantiles(self.alone_s, n=4)[0]
+        """A one-row step as one at a time runs it, on the low side: the lower quartile of the
+        recent one-row steps by themselves, scaled by what one at a time's own path
+        (`Engine.decode`) took against a one-row batch at warm-up, where that was less (an
+        H200 service run: 6.0 against 7.1 ms). Deadlines from it are tighter, never looser."""
+        low = self.step(1) if len(self.alone_s) < 4 else statistics.quantiles(self.alone_s, n=4)[0]
+        warm_one_row = self.warm_up_s.get(1)
+        if self.warm_up_alone_s and warm_one_row:
+            return low * min(1.0, self.warm_up_alone_s / warm_one_row)
+        return low
 
     def saw_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
@@ -152,15 +157,21 @@ def _averaged(average: float | None, sample: float) -> float:
 class JoinBudget:
     """Deadlines of the group's jobs, and which waiting jobs may join now."""
 
-    def __init__(self, slowdown: float | None, step_s: dict[int, float] | None = None):
+    def __init__(
+        self,
+        slowdown: float | None,
+        step_s: dict[int, float] | None = None,
+        alone_step_s: float | None = None,
+    ):
         """`slowdown` None: no bound (every waiting job is admitted). `step_s`: seconds per step
         by row count measured before the group's first job (its GPU warm-up, on short rows): its
         ratios to one row bound the estimates from below (GroupTimes.step); they count as no
-        step seen, so deadlines still settle on the group's own."""
+        step seen, so deadlines still settle on the group's own. `alone_step_s`: a step one at
+        a time measured at the same warm-up (GroupTimes.one_row_low)."""
         if slowdown is not None and slowdown < 1:
             raise ValueError(f"slowdown must be at least 1, got {slowdown}")
         self.slowdown = slowdown
-        self.times = GroupTimes(warm_up_s=dict(step_s or {}))
+        self.times = GroupTimes(warm_up_s=dict(step_s or {}), warm_up_alone_s=alone_step_s)
         self.deadlines: dict[str, float] = {}
         self._arrived: list[tuple[Waiting, float | None]] = []  # deadlines not fixed yet
         self._seen: set[str] = set()

@@ -17,7 +17,7 @@ from jobs.model_catalog import resolve_model
 from jobs.schemas import GroupSpec
 from jobs.settings import Settings, max_batch_for
 from jobs.tokenizer import ChatTokenizer, load_tokenizer
-from ring_worker.batch_decode import batch_decode_supported
+from ring_worker.batch_decode import WarmUpSteps, batch_decode_supported
 from ring_worker.batch_decode import warm_up as warm_up_batch
 from ring_worker.batch_serve import BatchServer
 from ring_worker.decode_text import partial_result
@@ -43,12 +43,12 @@ def serve(ctx: RankContext, io: JobIO, watchdog: Watchdog) -> None:
     if ctx.lead:
         io.enter(JobState.LOADING, len(io.tokens()))
     engine, tokenizer = start_engine(ctx, io)
-    step_s = warm_up(engine, io.chunk_tokens(), ctx)
+    steps = warm_up(engine, io.chunk_tokens(), ctx)
     prefix = open_prefix_cache(ctx.settings, ctx.group, ctx.rank, engine, io)
     load_s = time.perf_counter() - started
     log.info("job %s rank %d: loaded %s in %.1fs", io.job_id, ctx.rank, ctx.group.model, load_s)
     if (max_batch := batch_limit(ctx, engine)) > 1:
-        server = BatchServer(ctx, engine, tokenizer, watchdog, prefix, max_batch, step_s)
+        server = BatchServer(ctx, engine, tokenizer, watchdog, prefix, max_batch, steps)
         server.run(io, load_s, lambda job: next_job(ctx, engine, job, watchdog))
         return
     job: JobIO | None = io
@@ -134,29 +134,30 @@ def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
     return make_engine(model, mx_group, group.strategy, group.exchange, group.kv_layout), tokenizer
 
 
-def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> dict[int, float]:
+def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> WarmUpSteps | None:
     """On GPUs, run the kernels the group's jobs will need once while loading: a prefill of two
     chunks (the first chunk's shapes and one with a past) and two decode steps, on token 0, and
     in a group that batches a short batch (ring_worker/batch_decode.py `warm_up`), whose step
-    times by row count it returns (they seed the join budget). The first job then starts with
+    times it returns (they seed the join budget). The first job then starts with
     compiled kernels, graphs and NCCL set up (cold vs warm in bench/results/h200-service/).
-    CPU kernels need no warm-up (and nothing is measured: {})."""
+    CPU kernels need no warm-up (and nothing is measured: None)."""
     if not ctx.settings.warm_up or mx.default_device().type != mx.gpu:
-        return {}
+        return None
     started = time.perf_counter()
     prefill = engine.prefill([0] * (2 * chunk_tokens), chunk_tokens)
     engine.decode(prefill, 2)
-    step_s = warm_up_batch(engine) if batch_limit(ctx, engine) > 1 else {}
+    steps = warm_up_batch(engine) if batch_limit(ctx, engine) > 1 else None
     mx.clear_cache()
     log.info(
-        "job %s rank %d: warmed up (%d-token chunks) in %.1fs; step ms by rows %s",
+        "job %s rank %d: warmed up (%d-token chunks) in %.1fs; step ms by rows %s, alone %s",
         ctx.group.job_id,
         ctx.rank,
         chunk_tokens,
         time.perf_counter() - started,
-        {rows: round(1e3 * s, 2) for rows, s in step_s.items()},
+        {rows: round(1e3 * s, 2) for rows, s in steps.batch_s.items()} if steps else {},
+        round(1e3 * steps.alone_s, 2) if steps else None,
     )
-    return step_s
+    return steps
 
 
 def stop_if_cancelled(mx_group: Any, io: JobIO, when: str) -> None:

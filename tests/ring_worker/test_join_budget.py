@@ -145,6 +145,19 @@ def test_deadlines_take_the_low_side_of_one_row_steps():
     assert found.deadlines["j0"] == pytest.approx(3.0)
 
 
+def test_one_at_a_time_is_scaled_by_its_own_path_at_warm_up():
+    """The warm-up's one-row batch step took 7.1 ms and one at a time's 6.0: a group whose
+    one-row steps by themselves take 7.1 ms takes one at a time at 6.0. A faster batch step
+    than one at a time's loosens nothing."""
+    slower = GroupTimes(warm_up_s={1: 0.0071}, warm_up_alone_s=0.0060)
+    faster = GroupTimes(warm_up_s={1: 0.0050}, warm_up_alone_s=0.0060)
+    for times in (slower, faster):
+        for _ in range(4):
+            times.saw_alone_step(0.0071)
+    assert slower.one_row_low() == pytest.approx(0.0060)
+    assert faster.one_row_low() == pytest.approx(0.0071)
+
+
 def test_the_loop_clock_times_steps_start_to_start_and_joins_by_their_gap():
     times = GroupTimes()
     clock = LoopClock(times)
