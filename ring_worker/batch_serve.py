@@ -296,9 +296,12 @@ class BatchServer:
         waiting = [self.waiting_job(io) for io in handed[:free]]
         admitted = self.budget.admit(time.time(), self.decoder.remaining(), waiting)
         if admitted:
-            log.info("group %s: %d job(s) join, from %s; the tightest member's projected finish "
-                     "is %.2fs inside its deadline", self.ctx.group.group_id, admitted,
-                     waiting[0].job_id, self.budget.slack_s)  # fmt: skip
+            budget = self.budget
+            log.info("group %s: %d job(s) join, from %s; the tightest member, %s, would finish "
+                     "%.2fs inside its deadline, %.2fs after its submission (%.1fx its time one "
+                     "at a time)", self.ctx.group.group_id, admitted, waiting[0].job_id,
+                     budget.tightest, budget.slack_s, budget.allowed_s(budget.tightest),
+                     budget.slowdown)  # fmt: skip
         if admitted < len(waiting) and (held := waiting[admitted].job_id) not in self.held:
             self.held.add(held)  # said once per job: it is asked again every step
             log.info("group %s: job %s waits to join: a member would finish past %.1fx its "

@@ -176,7 +176,8 @@ class JoinBudget:
         self._arrived: list[tuple[Waiting, float | None]] = []  # deadlines not fixed yet
         self._seen: set[str] = set()
         self._virtual_end = -math.inf  # when one at a time would finish the jobs seen so far
-        self.slack_s = math.inf  # the last admitted join's: its tightest member's (_slack_s)
+        self.submitted: dict[str, float] = {}  # of the jobs with deadlines
+        self.slack_s, self.tightest = math.inf, ""  # the last admitted join's (_slack_s)
 
     def arrive(self, job: Waiting, prefill_s: float | None = None) -> None:
         """The group sees the job for the first time (`prefill_s`: its measured prefill, where
@@ -193,6 +194,7 @@ class JoinBudget:
 
     def left(self, job_id: str) -> None:
         self.deadlines.pop(job_id, None)
+        self.submitted.pop(job_id, None)
         self._seen.discard(job_id)
 
     def admit(self, now: float, remaining: dict[str, int], waiting: list[Waiting]) -> int:
@@ -211,10 +213,10 @@ class JoinBudget:
         stall_s, admitted = 0.0, 0
         for job in waiting:
             job_stall_s = stall_s + self.times.prefill(job.prompt_tokens)
-            slack_s = self._slack_s(now, members, job_stall_s)
+            slack_s, tightest = self._slack_s(now, members, job_stall_s)
             if slack_s < 0:
                 break
-            self.slack_s = slack_s
+            self.slack_s, self.tightest = slack_s, tightest
             members[job.job_id] = job.max_tokens
             stall_s, admitted = job_stall_s, admitted + 1
             if not self.times.known(len(members)):
@@ -233,18 +235,31 @@ class JoinBudget:
             if job.job_id in self._seen and self.slowdown is not None:  # not left yet
                 allowed_s = self.slowdown * (virtual_end - job.submitted)
                 self.deadlines[job.job_id] = job.submitted + allowed_s
+                self.submitted[job.job_id] = job.submitted
         if self.times.settled:
             self._virtual_end, self._arrived = virtual_end, []
 
-    def _slack_s(self, now: float, members: dict[str, int], join_stall_s: float) -> float:
-        """How far inside its deadline the tightest member would finish after one more join
-        (its prefill ending `join_stall_s` from now); below 0, one would miss it."""
+    def _slack_s(
+        self, now: float, members: dict[str, int], join_stall_s: float
+    ) -> tuple[float, str]:
+        """How far inside its deadline the tightest member (named) would finish after one more
+        join (its prefill ending `join_stall_s` from now); below 0, it would miss it."""
         step_s = self.times.step(len(members) + 1)
         return min(
-            self.deadlines.get(job_id, math.inf)
-            - (now + PLAN_MARGIN * (join_stall_s + tokens * step_s))
+            (
+                self.deadlines.get(job_id, math.inf)
+                - (now + PLAN_MARGIN * (join_stall_s + tokens * step_s)),
+                job_id,
+            )
             for job_id, tokens in members.items()
         )
+
+    def allowed_s(self, job_id: str) -> float:
+        """The member's deadline, as seconds after its submission (inf where it has none)."""
+        submitted = self.submitted.get(job_id)
+        if submitted is None:
+            return math.inf
+        return self.deadlines[job_id] - submitted
 
 
 @dataclass

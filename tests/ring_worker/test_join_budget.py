@@ -62,6 +62,8 @@ def test_joins_stop_where_a_member_would_miss_its_deadline():
     loose = budget(slowdown=2.0)
     loose.arrive(job(0), prefill_s=1.0)
     assert loose.admit(1.2, {"j0": 8}, [job(1), job(2)]) == 1
+    assert loose.tightest == "j0" and loose.allowed_s("j0") == pytest.approx(4.0)
+    assert loose.slack_s == pytest.approx(4.0 - (1.2 + 1.1 * (1.0 + 8 * 0.11)))
 
 
 def test_joins_wait_until_the_batch_has_stepped_at_its_size():
