@@ -112,15 +112,16 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def reexec_with_openblas() -> None:
-    """On a CPU-only Linux node the ranks preload OpenBLAS (25-35x fp32 matmul); so does this."""
+def reexec_with_openblas(module: str = "bench.batch_decode") -> None:
+    """On a CPU-only Linux node the ranks preload OpenBLAS (25-35x fp32 matmul); so does this
+    (`module`: the bench to run again)."""
     import mlx.core as mx
 
     if mx.cuda.is_available() or mx.metal.is_available() or not find_openblas():
         return
     if "openblas" in os.environ.get("LD_PRELOAD", ""):
         return
-    argv = [sys.executable, "-m", "bench.batch_decode", *sys.argv[1:]]
+    argv = [sys.executable, "-m", module, *sys.argv[1:]]
     os.execve(sys.executable, argv, rank_environment())
 
 
@@ -379,13 +380,16 @@ def mlx_lm_batch(
     max_tokens: int,
     chunk_tokens: int | None = None,
     tokenizer: Any = None,
+    prefill_batch: int | None = None,
 ) -> dict[str, Any]:
     """mlx-lm's batch_generate, all prompts in one batch; `chunk_tokens` its prefill step (its
     default if None); `tokenizer` its stop tokens (default: none, every sequence runs to
-    max_tokens)."""
+    max_tokens); `prefill_batch` the prompts it prefills together (its default if None)."""
     from mlx_lm.generate import batch_generate
 
     chunk: dict[str, Any] = {} if chunk_tokens is None else {"prefill_step_size": chunk_tokens}
+    if prefill_batch is not None:
+        chunk["prefill_batch_size"] = prefill_batch
     started = time.perf_counter()
     response = batch_generate(
         model,

@@ -12,6 +12,7 @@
 #   bash bench/results/h200-service/run.sh rows        # mixed-length decode kernels; 32 rows vs BatchGenerator
 #   bash bench/results/h200-service/run.sh step-cost   # a decode step's host/device split by rows, per MLX setting
 #   bash bench/results/h200-service/run.sh resume      # a ~128K prefill killed late: resumed vs restarted
+#   bash bench/results/h200-service/run.sh prefill-batch  # short documents prefilled together or one by one
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -98,6 +99,10 @@ PY
         env $env timeout ${STEP_TIMEOUT:-150} python3 -m bench.step_cost_probe --model $model \
           --rows ${STEP_ROWS:-1,2,8,32} ${STEP_ARGS:-} --out "$out/step-cost-$tag.json" 2>&1 | tail -20
       done
+      ;;
+    prefill-batch)
+      python3 -m bench.batched_prefill --model $model --lengths 256,1024,4096 --chunk-tokens 16384 \
+        --out "$out/batched-prefill-h200.json"
       ;;
     resume)
       timeout 580 python3 -m bench.resume --model $model --repeat ${RESUME_REPEAT:-8500} \
