@@ -44,6 +44,7 @@ CLEAR_CACHE_STEPS = 256
 WARM_UP_LENGTHS = (8, 16, 24)  # warm_up's rows: three lengths, so its steps mix them
 MEASURED_ROWS = (1, 2, 4)  # row counts whose step time warm_up measures
 MEASURED_STEPS = 8  # timed steps per row count, after two untimed
+ALONE_PAIRS = 3  # warm_up's alternating pairs of one at a time and a one-row batch
 LogitsHook = Callable[[list[str], mx.array], None]  # (row keys, (rows, vocab) float32 logits)
 
 
@@ -287,20 +288,28 @@ class WarmUpSteps:
 def warm_up(engine: Engine) -> WarmUpSteps:
     """Run what a batch's steps run, then time them: rows of three lengths join, decode
     together and leave at different steps; then MEASURED_ROWS rows of different lengths decode
-    MEASURED_STEPS steps each, and one sequence one at a time. Returns seconds per step (the
-    medians), which seed the group's join budget (ring_worker/join_budget.py). On an H200 a
-    fresh process compiled its kernels (NVRTC: gathers, scatters, fused elementwise, the
-    mixed-length attention; 1-4 s each) inside its first batch's steps: py-spy of a 32-job
-    batch put 54 % of rank 0's samples in NVRTC. MLX keeps what it compiles on disk (its PTX
-    cache), so a later group process reads it back."""
+    MEASURED_STEPS steps each, and one sequence one at a time against a one-row batch, in
+    alternating pairs. Returns seconds per step (the medians), which seed the group's join
+    budget (ring_worker/join_budget.py). On an H200 a fresh process compiled its kernels
+    (NVRTC: gathers, scatters, fused elementwise, the mixed-length attention; 1-4 s each)
+    inside its first batch's steps: py-spy of a 32-job batch put 54 % of rank 0's samples in
+    NVRTC. MLX keeps what it compiles on disk (its PTX cache), so a later group process reads
+    it back."""
     decoder = BatchDecoder(engine)
     for row, length in enumerate(WARM_UP_LENGTHS):
         request = DecodeRequest(key=str(row), max_tokens=row + 2)
         decoder.add(request, engine.prefill([0] * length, length))
     decoder.run()
-    return WarmUpSteps(
-        {rows: _time_steps(engine, rows) for rows in MEASURED_ROWS}, _time_alone(engine)
-    )
+    batch_s = {rows: _time_steps(engine, rows) for rows in MEASURED_ROWS}
+    return WarmUpSteps(batch_s, batch_s[1] * _alone_ratio(engine))
+
+
+def _alone_ratio(engine: Engine) -> float:
+    """One at a time's step against a one-row batch's, timed in ALONE_PAIRS alternating pairs
+    (the median pair's ratio): one unpaired pair of 8-step medians said 0.72 in one H200 run
+    and 0.93 in another."""
+    ratios = [_time_alone(engine) / _time_steps(engine, 1) for _ in range(ALONE_PAIRS)]
+    return statistics.median(ratios)
 
 
 def _time_alone(engine: Engine) -> float:
