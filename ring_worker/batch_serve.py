@@ -144,6 +144,7 @@ class BatchServer:
             io.batch_started(group)
         try:
             if io.spec().kind != JobKind.GENERATE:
+                self.loop_clock.joined(0)  # the batch waits for it: not a step of its own
                 run_job(
                     self.engine, self.tokenizer, self.ctx, io, self.watchdog, load_s, self.prefix
                 )
@@ -153,6 +154,7 @@ class BatchServer:
             job = prefill_job(self.engine, self.ctx, io, self.watchdog, self.prefix)
             self.joins.prefill_s += time.perf_counter() - prefill_began
         except Cancelled as exc:  # every rank stops this job's prefill together
+            self.loop_clock.joined(0)
             log.info("job %s rank %d: cancelled, %s", io.job_id, self.ctx.rank, exc)
             if lead:
                 io.cancelled(f"cancelled: {exc}")

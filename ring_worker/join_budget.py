@@ -270,7 +270,7 @@ class LoopClock:
 
     times: GroupTimes
     last: tuple[int, float, float] | None = None  # rows, start, seconds of the step itself
-    joined_tokens: int = 0  # prompt tokens prefilled since the last step started
+    joined_tokens: int | None = None  # prompt tokens prefilled since the last step started
     unsampled: int = 0  # gaps not sampled: the one across a join, the step reading its token
 
     def step_began(self, rows: int, now: float) -> None:
@@ -278,12 +278,12 @@ class LoopClock:
             last_rows, then, step_s = self.last
             if self.joined_tokens:
                 self.times.saw_prefill(self.joined_tokens, now - then - step_s)
-            elif not self.unsampled:
+            elif self.joined_tokens is None and not self.unsampled:
                 self.times.saw_step(last_rows, now - then)
                 if last_rows == 1:
                     self.times.saw_alone_step(step_s)
             self.unsampled = max(0, self.unsampled - 1)
-        self.last, self.joined_tokens = (rows, now, 0.0), 0
+        self.last, self.joined_tokens = (rows, now, 0.0), None
 
     def step_ended(self, now: float) -> None:
         if self.last is not None:
@@ -291,8 +291,10 @@ class LoopClock:
             self.last = (rows, began, now - began)
 
     def joined(self, tokens: int) -> None:
-        self.joined_tokens += tokens
+        """A job started between two steps, prefilling `tokens` (0: a prefill job run whole,
+        or one cancelled: its gap is no step, nor a prefill rate)."""
+        self.joined_tokens = (self.joined_tokens or 0) + tokens
         self.unsampled = 2
 
     def batch_ended(self) -> None:
-        self.last, self.joined_tokens, self.unsampled = None, 0, 0
+        self.last, self.joined_tokens, self.unsampled = None, None, 0

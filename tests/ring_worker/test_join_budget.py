@@ -177,6 +177,10 @@ def test_the_loop_clock_times_steps_start_to_start_and_joins_by_their_gap():
     clock.step_ended(12.0)
     clock.step_began(2, 12.1)
     assert times.step(2) == pytest.approx(0.2)
+    clock.step_ended(12.2)
+    clock.joined(0)  # a prefill job run whole between two steps: neither a step nor a rate
+    clock.step_began(2, 15.0)
+    assert times.step(2) == pytest.approx(0.2) and times.prefill(1000) == pytest.approx(1.0)
     clock.batch_ended()
     clock.step_began(1, 100.0)  # the idle time between batches is no step
     assert times.step(1) == pytest.approx(0.3)
