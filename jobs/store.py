@@ -2,6 +2,7 @@
 
 import json
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,13 @@ from jobs.schemas import JobRecord, JobResult, JobSpec, NodeInfo, Progress
 from jobs.settings import get_settings
 
 SUMMARY_FIELD = "summary"  # small spec fields for listings (summary_fields), not a JobRecord field
+# The transaction that last wrote the record (not a JobRecord field). A connection lost during
+# EXEC reaches the caller as a WatchError (redis-py: the watch died with it), though the server
+# may have applied it: the retry finds its own token here and stops, instead of taking its own
+# write for another's (a Redis restarted under queued jobs failed one with "admitted -> admitted
+# is not allowed").
+WRITE_FIELD = "write"
+NOT_RECORD_FIELDS = frozenset({SUMMARY_FIELD, WRITE_FIELD})
 UNFINISHED_ENDS = frozenset({JobState.FAILED, JobState.CANCELLED})  # final, but not finished
 
 
@@ -30,33 +38,43 @@ class JobStore:
         self.conn = conn
         self.job_ttl_s = job_ttl_s if job_ttl_s is not None else get_settings().job_ttl_s
 
-    def create(self, job_id: str, spec: JobSpec) -> JobRecord:
+    def create(self, job_id: str, spec: JobSpec, write: str | None = None) -> JobRecord:
         """One transaction (WATCH the key, check it is free, MULTI/EXEC the writes): either the
-        whole record is written or none of it (a refused write aborts them all)."""
-        key = keys.job(job_id)
+        whole record is written or none of it (a refused write aborts them all). `write`: its
+        token (WRITE_FIELD; a fresh one by default)."""
+        key, write = keys.job(job_id), write or new_write()
         with self.conn.pipeline() as pipe:
             while True:
                 try:
                     pipe.watch(key)
                     if pipe.exists(key):
+                        if _written_by(pipe.hget(key, WRITE_FIELD), write):
+                            return self.get(job_id)  # this call's own write, applied
                         raise InvalidJobError(
                             f"a job with id {job_id!r} already exists; choose another --id"
                         )
                     pipe.multi()
-                    [record] = self.create_in(pipe, [(job_id, spec)], time.time())
+                    [record] = self.create_in(pipe, [(job_id, spec)], time.time(), write)
                     pipe.execute()
                     return record
                 except redis.WatchError:
                     continue
 
     def create_in(
-        self, pipe: redis.client.Pipeline, jobs: Sequence[tuple[str, JobSpec]], now: float
+        self,
+        pipe: redis.client.Pipeline,
+        jobs: Sequence[tuple[str, JobSpec]],
+        now: float,
+        write: str | None = None,
     ) -> list[JobRecord]:
         """Queue the writes of new records on `pipe` without checking the ids are free: for
-        callers that own their ids (a batch derives them from its own, claimed id)."""
+        callers that own their ids (a batch derives them from its own, claimed id). `write`:
+        the transaction's token (WRITE_FIELD)."""
         records = [_new_record(job_id, spec, now) for job_id, spec in jobs]
         for record in records:
             fields = {**record.model_dump(mode="json"), SUMMARY_FIELD: summary_fields(record.spec)}
+            if write is not None:
+                fields[WRITE_FIELD] = write
             pipe.hset(keys.job(record.id), mapping=_encode(fields))
             pipe.expire(keys.job(record.id), self.job_ttl_s)
         if records:
@@ -74,7 +92,9 @@ class JobStore:
             raise CorruptRecordError(
                 f"job {job_id!r}: its record in Redis is not valid JSON"
             ) from None
-        return JobRecord.model_validate({k: v for k, v in fields.items() if k != SUMMARY_FIELD})
+        return JobRecord.model_validate(
+            {k: v for k, v in fields.items() if k not in NOT_RECORD_FIELDS}
+        )
 
     def transition(
         self,
@@ -83,29 +103,34 @@ class JobStore:
         *,
         group_id: str | None = None,
         also: Callable[[redis.client.Pipeline], object] | None = None,
+        write: str | None = None,
         **fields: Any,
     ) -> JobRecord:
         """Move a job to `new` if the lifecycle allows it, writing `fields` in the same step.
         With `group_id`, only while the job is still placed on that group (StaleGroupError
         otherwise): a lost group's ranks can never touch the job's retry. `also` adds writes
-        to the same transaction."""
-        key = keys.job(job_id)
+        to the same transaction. `write`: this transition's token (WRITE_FIELD; a fresh one by
+        default): a retry that finds it has nothing left to do."""
+        key, write = keys.job(job_id), write or new_write()
         with self.conn.pipeline() as pipe:
             while True:
                 try:
                     pipe.watch(key)
-                    raw_state, raw_placement, raw_created = pipe.hmget(
-                        key, ["state", "placement", "created_at"]
+                    raw_state, raw_placement, raw_created, raw_write = pipe.hmget(
+                        key, ["state", "placement", "created_at", WRITE_FIELD]
                     )
                     if raw_state is None:
                         raise JobNotFoundError(f"no job {job_id!r}")
+                    if _written_by(raw_write, write):
+                        break  # applied before the connection went (see WRITE_FIELD)
                     old = JobState(json.loads(raw_state))
                     if group_id is not None:
                         _check_group(job_id, raw_placement, group_id)
                     if not can_transition(old, new):
                         raise IllegalTransitionError(f"job {job_id}: {old} -> {new} is not allowed")
                     pipe.multi()
-                    pipe.hset(key, mapping=_encode({"state": new, "updated_at": time.time()}))
+                    written = {"state": new, "updated_at": time.time(), WRITE_FIELD: write}
+                    pipe.hset(key, mapping=_encode(written))
                     if fields:
                         pipe.hset(key, mapping=_encode(_dump(fields)))
                     move_in_state_index(pipe, job_id, old, new, json.loads(raw_created or "0"))
@@ -237,6 +262,15 @@ def _dump(fields: dict[str, Any]) -> dict[str, Any]:
     return {
         k: v.model_dump(mode="json") if hasattr(v, "model_dump") else v for k, v in fields.items()
     }
+
+
+def new_write() -> str:
+    """A token for one write transaction of a job record (WRITE_FIELD)."""
+    return uuid.uuid4().hex
+
+
+def _written_by(raw: bytes | str | None, write: str) -> bool:
+    return raw is not None and json.loads(raw) == write
 
 
 def _encode(fields: dict[str, Any]) -> dict[Any, Any]:  # redis-py's mapping type is invariant

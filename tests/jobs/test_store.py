@@ -59,6 +59,22 @@ def test_transition_writes_fields_atomically(store):
     assert record.state == JobState.ADMITTED and record.progress.total == 9
 
 
+def test_a_write_retried_after_it_landed_is_done_not_refused(store):
+    """redis-py turns a connection lost during EXEC into a WatchError, and the store retries.
+    Where the server had applied the write, the retry (the same token) finds it and stops: a
+    Redis restarted under queued jobs failed one with "admitted -> admitted is not allowed".
+    Another write (another token) is refused as before."""
+    created = store.create("j1", SPEC, write="c1")
+    assert store.create("j1", SPEC, write="c1") == created
+    with pytest.raises(InvalidJobError, match="already exists"):
+        store.create("j1", SPEC)
+    progress = Progress(phase="admitted", total=9)
+    first = store.transition("j1", JobState.ADMITTED, write="t1", progress=progress)
+    assert store.transition("j1", JobState.ADMITTED, write="t1") == first
+    with pytest.raises(IllegalTransitionError, match="admitted -> admitted"):
+        store.transition("j1", JobState.ADMITTED)
+
+
 def test_illegal_transition_is_refused(store):
     store.create("j1", SPEC)
     with pytest.raises(IllegalTransitionError, match="queued -> decode"):
