@@ -42,7 +42,6 @@ RESULTS = Path(__file__).parent / "results"
 def main() -> int:
     args = parse_args()
     reexec_with_openblas()
-    import mlx.core as mx
 
     from jobs.model_catalog import resolve_model
     from jobs.tokenizer import load_tokenizer
@@ -50,7 +49,7 @@ def main() -> int:
     from ring_worker.models import load_for_this_device
 
     cap_device_memory()
-    backend = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "cpu"
+    backend = backend_name()
     model = load_for_this_device(resolve_model(args.model, allowed_dirs=None))
     document = load_tokenizer(resolve_model(args.model, allowed_dirs=None)).encode(
         files("cli").joinpath("demo/document.md").read_text()
@@ -110,6 +109,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path)
     return parser.parse_args()
+
+
+def backend_name() -> str:
+    """The MLX backend this process computes on: cuda, metal or cpu."""
+    import mlx.core as mx
+
+    return "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "cpu"
 
 
 def reexec_with_openblas(module: str = "bench.batch_decode") -> None:
@@ -387,9 +393,11 @@ def mlx_lm_batch(
     max_tokens); `prefill_batch` the prompts it prefills together (its default if None)."""
     from mlx_lm.generate import batch_generate
 
-    chunk: dict[str, Any] = {} if chunk_tokens is None else {"prefill_step_size": chunk_tokens}
+    options: dict[str, Any] = {}
+    if chunk_tokens is not None:
+        options["prefill_step_size"] = chunk_tokens
     if prefill_batch is not None:
-        chunk["prefill_batch_size"] = prefill_batch
+        options["prefill_batch_size"] = prefill_batch
     started = time.perf_counter()
     response = batch_generate(
         model,
@@ -398,7 +406,7 @@ def mlx_lm_batch(
         max_tokens=max_tokens,
         completion_batch_size=len(prompts),
         return_token_ids=True,
-        **chunk,
+        **options,
     )
     stats = response.stats
     return {

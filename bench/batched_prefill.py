@@ -22,7 +22,7 @@ import time
 from importlib.resources import files
 from pathlib import Path
 
-from bench.batch_decode import make_prompts, mlx_lm_batch, reexec_with_openblas
+from bench.batch_decode import backend_name, make_prompts, mlx_lm_batch, reexec_with_openblas
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("together", "one_by_one", "engine")
@@ -31,8 +31,6 @@ VARIANTS = ("together", "one_by_one", "engine")
 def main() -> int:
     args = parse_args()
     reexec_with_openblas("bench.batched_prefill")
-    import mlx.core as mx
-
     from admission.group_plan import CPU_CHUNK_TOKENS
     from jobs.model_catalog import resolve_model
     from jobs.tokenizer import load_tokenizer
@@ -41,7 +39,7 @@ def main() -> int:
     from ring_worker.models import load_for_this_device
 
     cap_device_memory()
-    backend = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "cpu"
+    backend = backend_name()
     resolved = resolve_model(args.model, allowed_dirs=None)
     model = load_for_this_device(resolved)
     document = load_tokenizer(resolved).encode(

@@ -278,11 +278,17 @@ class BatchDecoder:
 
 @dataclass(frozen=True)
 class WarmUpSteps:
-    """What a batching group's warm-up measured (seconds per step, on short rows): a batch's
-    steps by row count, and a step one at a time (`Engine.decode`, as with RINGQ_MAX_BATCH=1)."""
+    """What a batching group's warm-up measured on short rows: a batch's seconds per step by
+    row count, and a step one at a time (`Engine.decode`, as with RINGQ_MAX_BATCH=1) as a
+    multiple of a one-row batch step."""
 
     batch_s: dict[int, float]
-    alone_s: float
+    alone_ratio: float
+
+    @property
+    def alone_s(self) -> float:
+        """Seconds per step one at a time."""
+        return self.batch_s[1] * self.alone_ratio
 
 
 def warm_up(engine: Engine) -> WarmUpSteps:
@@ -301,7 +307,7 @@ def warm_up(engine: Engine) -> WarmUpSteps:
         decoder.add(request, engine.prefill([0] * length, length))
     decoder.run()
     batch_s = {rows: _time_steps(engine, rows) for rows in MEASURED_ROWS}
-    return WarmUpSteps(batch_s, batch_s[1] * _alone_ratio(engine))
+    return WarmUpSteps(batch_s, _alone_ratio(engine))
 
 
 def _alone_ratio(engine: Engine) -> float:

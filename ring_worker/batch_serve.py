@@ -93,8 +93,7 @@ class BatchServer:
         max_batch: int,
         warm_up: WarmUpSteps | None = None,
     ):
-        """`step_s`: seconds per decode step by row count, measured at warm-up (GPU), which
-        the join budget starts from."""
+        """`warm_up`: the group's warm-up steps (GPU), which the join budget starts from."""
         self.ctx, self.engine, self.tokenizer = ctx, engine, tokenizer
         self.watchdog, self.prefix, self.max_batch = watchdog, prefix, max_batch
         # rows grow as jobs join (doubling), not reserved for max_batch up front: the group's
@@ -103,8 +102,8 @@ class BatchServer:
         self.members: dict[str, _Member] = {}
         self.joins = JoinTimes()
         self.profile: cProfile.Profile | None = None
-        step_s, alone_s = (warm_up.batch_s, warm_up.alone_s) if warm_up else (None, None)
-        self.budget = JoinBudget(ctx.settings.max_slowdown, step_s, alone_s)  # rank 0 decides
+        step_s, ratio = (warm_up.batch_s, warm_up.alone_ratio) if warm_up else (None, None)
+        self.budget = JoinBudget(ctx.settings.max_slowdown, step_s, ratio)  # rank 0 decides
         self.waiting: dict[str, Waiting] = {}  # rank 0: jobs handed over, not started yet
         self.loop_clock = LoopClock(self.budget.times)
         self.held: set[str] = set()  # rank 0: jobs told they wait to join

@@ -67,7 +67,7 @@ class GroupTimes:
     step_s: dict[int, float] = field(default_factory=dict)  # rows -> median of recent steps
     recent_s: dict[int, deque[float]] = field(default_factory=dict)  # rows -> recent steps
     alone_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
-    warm_up_alone_s: float | None = None  # a step one at a time (Engine.decode), short rows
+    alone_ratio: float | None = None  # warm-up: one at a time's step / a one-row batch step
     prefill_tok_s: float | None = None
     steps_seen: int = 0
 
@@ -89,13 +89,10 @@ class GroupTimes:
     def one_row_low(self) -> float:
         """A one-row step as one at a time runs it, on the low side: the lower quartile of the
         recent one-row steps by themselves, scaled by what one at a time's own path
-        (`Engine.decode`) took against a one-row batch at warm-up, where that was less (an
-        H200 service run: 6.0 against 7.1 ms). Deadlines from it are tighter, never looser."""
+        (`Engine.decode`) took against a one-row batch at warm-up, where that was less (H200
+        warm-ups: 0.72-1.48). Deadlines from it are tighter, never looser."""
         low = self.step(1) if len(self.alone_s) < 4 else statistics.quantiles(self.alone_s, n=4)[0]
-        warm_one_row = self.warm_up_s.get(1)
-        if self.warm_up_alone_s and warm_one_row:
-            return low * min(1.0, self.warm_up_alone_s / warm_one_row)
-        return low
+        return low * min(1.0, self.alone_ratio) if self.alone_ratio else low
 
     def saw_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
@@ -161,17 +158,17 @@ class JoinBudget:
         self,
         slowdown: float | None,
         step_s: dict[int, float] | None = None,
-        alone_step_s: float | None = None,
+        alone_ratio: float | None = None,
     ):
         """`slowdown` None: no bound (every waiting job is admitted). `step_s`: seconds per step
         by row count measured before the group's first job (its GPU warm-up, on short rows): its
         ratios to one row bound the estimates from below (GroupTimes.step); they count as no
-        step seen, so deadlines still settle on the group's own. `alone_step_s`: a step one at
-        a time measured at the same warm-up (GroupTimes.one_row_low)."""
+        step seen, so deadlines still settle on the group's own. `alone_ratio`: a step one at a
+        time against a one-row batch step, at the same warm-up (GroupTimes.one_row_low)."""
         if slowdown is not None and slowdown < 1:
             raise ValueError(f"slowdown must be at least 1, got {slowdown}")
         self.slowdown = slowdown
-        self.times = GroupTimes(warm_up_s=dict(step_s or {}), warm_up_alone_s=alone_step_s)
+        self.times = GroupTimes(warm_up_s=dict(step_s or {}), alone_ratio=alone_ratio)
         self.deadlines: dict[str, float] = {}
         self._arrived: list[tuple[Waiting, float | None]] = []  # deadlines not fixed yet
         self._seen: set[str] = set()

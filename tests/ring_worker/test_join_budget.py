@@ -151,8 +151,8 @@ def test_one_at_a_time_is_scaled_by_its_own_path_at_warm_up():
     """The warm-up's one-row batch step took 7.1 ms and one at a time's 6.0: a group whose
     one-row steps by themselves take 7.1 ms takes one at a time at 6.0. A faster batch step
     than one at a time's loosens nothing."""
-    slower = GroupTimes(warm_up_s={1: 0.0071}, warm_up_alone_s=0.0060)
-    faster = GroupTimes(warm_up_s={1: 0.0050}, warm_up_alone_s=0.0060)
+    slower = GroupTimes(warm_up_s={1: 0.0071}, alone_ratio=0.0060 / 0.0071)
+    faster = GroupTimes(warm_up_s={1: 0.0050}, alone_ratio=0.0060 / 0.0050)
     for times in (slower, faster):
         for _ in range(4):
             times.saw_alone_step(0.0071)
