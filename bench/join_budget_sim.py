@@ -9,7 +9,9 @@ Times per cell (measured through the service, bench/results/batch-decode.md): CP
 8B shape, a 4K prefill 0.12 s and a step 5.5 ms + 0.49 ms per added row (engine level: the
 service's mixed-length steps are slower, host-bound), 256 tokens; and `h200-8b-service`, the
 service's own steps (H200_SERVICE_STEPS: a second row of another length +56 %) with its group's
-warm-up times as the budget's start, also with each step's time drawn noisy (NOISE). The group
+warm-up times as the budget's start, also with each step's time drawn noisy (NOISE), and with
+the budget told every step time before the first job (`oracle`: what the rule itself can reach,
+learning aside). The group
 learns its times as the service's does (JoinBudget.times: every step and prefill it runs). One at
 a time is the sum of each job's prefill and one-row steps, in queue order. Prints one line per
 cell.
@@ -19,7 +21,7 @@ import json
 import random
 from collections.abc import Callable
 
-from ring_worker.join_budget import JoinBudget, Waiting
+from ring_worker.join_budget import RECENT_STEPS, JoinBudget, Waiting
 
 PROMPT_TOKENS = 1000  # the modelled prefill time stands for any length
 
@@ -66,11 +68,20 @@ def simulate(
     warm_up: dict[int, float] | None = None,
     noise: float = 0.0,
     seed: int = 0,
+    oracle: bool = False,
 ) -> dict:
     """`noise`: each step's time is its modelled one times a draw from a lognormal of this
-    sigma (seeded), as a shared host's steps vary."""
+    sigma (seeded), as a shared host's steps vary. `oracle`: the budget knows every row count's
+    step and the prefill before the first job (no learning, no estimates from above)."""
     draw = random.Random(seed)
     budget = JoinBudget(slowdown, warm_up)
+    if oracle:
+        for rows in range(1, max_batch + 1):
+            for _ in range(RECENT_STEPS):
+                budget.times.saw_step(rows, step_s(rows))
+        for _ in range(RECENT_STEPS):
+            budget.times.saw_alone_step(step_s(1))
+        budget.times.saw_prefill(PROMPT_TOKENS, prefill_s)
     waiting = [Waiting(str(i), 0.0, PROMPT_TOKENS, max_tokens) for i in range(jobs)]
     now, members, finished = 0.0, dict[str, int](), dict[str, float]()
     while waiting or members:
@@ -107,6 +118,10 @@ def main() -> None:
         for slowdown in (None, 1.5):
             found = simulate(jobs, prefill_s, step_s, max_tokens, max_batch, slowdown, warm_up)
             print(json.dumps({"cell": name, "jobs": jobs, "max_slowdown": slowdown, **found}))
+    for slowdown in (1.5, 2.0, 3.0):  # the same rule told every time up front: its own limit
+        found = simulate(32, 0.12, H200_SERVICE_STEPS, 256, 32, slowdown, oracle=True)
+        print(json.dumps({"cell": "h200-8b-service", "oracle": True, "max_slowdown": slowdown,
+                          **found}))  # fmt: skip
     for seed in range(NOISY_SEEDS):  # the service cell with steps that vary as they do on a host
         found = simulate(32, 0.12, H200_SERVICE_STEPS, 256, 32, 1.5, H200_SERVICE_WARM_UP,
                          noise=NOISE, seed=seed)  # fmt: skip

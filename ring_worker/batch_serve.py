@@ -210,8 +210,9 @@ class BatchServer:
             self.pace_members()
         if not self.decoder.busy:  # the batch is over: where its time went
             self.loop_clock.batch_ended()
-            log.info("group %s rank %d: batch of %s; %s", self.ctx.group.group_id,
-                     self.ctx.rank, self.joins.line(), self.decoder.times.line())  # fmt: skip
+            log.info("group %s rank %d: batch of %s; %s; the join budget's %s",
+                     self.ctx.group.group_id, self.ctx.rank, self.joins.line(),
+                     self.decoder.times.line(), self.budget.times.table())  # fmt: skip
             self.decoder.times, self.joins = StepTimes(), JoinTimes()
             self.write_profile()
 
@@ -300,9 +301,10 @@ class BatchServer:
             budget = self.budget
             log.info("group %s: %d job(s) join, from %s; the tightest member, %s, would finish "
                      "%.2fs inside its deadline, %.2fs after its submission (%.1fx its time one "
-                     "at a time)", self.ctx.group.group_id, admitted, waiting[0].job_id,
-                     budget.tightest, budget.slack_s, budget.allowed_s(budget.tightest),
-                     budget.slowdown)  # fmt: skip
+                     "at a time), at %.1f ms a step of %d rows", self.ctx.group.group_id,
+                     admitted, waiting[0].job_id, budget.tightest, budget.slack_s,
+                     budget.allowed_s(budget.tightest), budget.slowdown,
+                     1e3 * budget.planned_step_s, len(self.members) + admitted)  # fmt: skip
         if admitted < len(waiting) and (held := waiting[admitted].job_id) not in self.held:
             self.held.add(held)  # said once per job: it is asked again every step
             log.info("group %s: job %s waits to join: a member would finish past %.1fx its "

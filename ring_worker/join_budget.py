@@ -26,9 +26,10 @@ Three guards keep a wrong guess from starving a member, since a join cannot be u
   SECOND_ROW_SHARE of a one-row step, or more where the group's warm-up (GPU: short rows)
   measured more: its times count only as ratios to its own one-row step, since short rows cost
   less than long ones (its 4K-token steps took 12-13 ms at 2-5 rows on an H200, where the
-  warm-up's absolute times said 8-10). Measured: a second row +44 % and each next +23 % on the
-  CPU (SmolLM2, 51 -> 73 -> 120 ms at 1, 2, 7 rows); on an H200 (8B, bf16) a second row +56-90 %,
-  then ~+0.2-0.3 ms a row.
+  warm-up's absolute times said 8-10). Above the most rows seen (2 or more), a count grows at
+  least as the warm-up's step grew between the two counts. Measured: a second row +44 % and
+  each next +23 % on the CPU (SmolLM2, 51 -> 73 -> 120 ms at 1, 2, 7 rows); on an H200 (8B,
+  bf16) a second row +56-90 %, then ~+0.2-0.3 ms a row.
 - One join at a time: a row count is reached only after the group has run PROBE_STEPS steps at
   the current one, and at most one join a turn goes to a count not seen yet.
 - Every projection is stretched by PLAN_MARGIN: steps on a shared host vary by ~10 % a minute.
@@ -118,7 +119,32 @@ class GroupTimes:
             return seen[low] + (seen[high] - seen[low]) * (rows - low) / (high - low)
         if low == 1:
             return seen[1] * self._share_over_one_row(rows)
-        return seen[low] + (rows - low) * self._added_row_s(seen, low)
+        added = seen[low] + (rows - low) * self._added_row_s(seen, low)
+        return max(added, seen[low] * self._warm_up_growth(low, rows))
+
+    def _warm_up_growth(self, low: int, rows: int) -> float:
+        """How much the warm-up's step grew from `low` rows to `rows` (its times on the lines
+        between its counts, flat past its last; 1.0 where it has no say)."""
+        warm = self.warm_up_s
+        if len(warm) < 2 or low < min(warm):
+            return 1.0
+        counts = sorted(warm)
+
+        def at(n: int) -> float:
+            n = min(n, counts[-1])
+            below = max(c for c in counts if c <= n)
+            above = min(c for c in counts if c >= n)
+            if below == above:
+                return warm[below]
+            return warm[below] + (warm[above] - warm[below]) * (n - below) / (above - below)
+
+        return max(1.0, at(rows) / at(low)) if at(low) > 0 else 1.0
+
+    def table(self) -> str:
+        """The step times it goes by, in ms by row count, and its prefill rate (for the log)."""
+        steps = ", ".join(f"{n}: {1e3 * s:.1f}" for n, s in sorted(self.step_s.items()))
+        rate = f"{self.prefill_tok_s / 1e3:.1f}K tok/s" if self.prefill_tok_s else "none seen"
+        return f"step ms by rows {{{steps}}}, prefill {rate}"
 
     def _share_over_one_row(self, rows: int) -> float:
         """A step of `rows` rows as a multiple of a one-row step, no more rows seen: the priors,
@@ -175,6 +201,7 @@ class JoinBudget:
         self._virtual_end = -math.inf  # when one at a time would finish the jobs seen so far
         self.submitted: dict[str, float] = {}  # of the jobs with deadlines
         self.slack_s, self.tightest = math.inf, ""  # the last admitted join's (_slack_s)
+        self.planned_step_s = 0.0  # the step time that join was planned at (its row count)
 
     def arrive(self, job: Waiting, prefill_s: float | None = None) -> None:
         """The group sees the job for the first time (`prefill_s`: its measured prefill, where
@@ -214,6 +241,7 @@ class JoinBudget:
             if slack_s < 0:
                 break
             self.slack_s, self.tightest = slack_s, tightest
+            self.planned_step_s = self.times.step(len(members) + 1)
             members[job.job_id] = job.max_tokens
             stall_s, admitted = job_stall_s, admitted + 1
             if not self.times.known(len(members)):

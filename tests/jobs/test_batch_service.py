@@ -154,6 +154,7 @@ def test_with_the_slowdown_bound_held_jobs_still_run_and_answer_as_alone(
     assert [r.result.text for r in records] == [one_at_a_time[d] for d in DOCUMENTS]
     assert len({r.placement.group_id for r in records}) == 1
     assert "waits to join" in logs
+    assert "the join budget's step ms by rows {1: " in logs  # what it went by, per batch
 
 
 def test_a_ring_of_two_with_replicated_kv_batches_too(one_at_a_time, tiny_llama_dir):

@@ -236,3 +236,19 @@ def test_warm_up_step_times_hold_a_join_the_prior_would_admit():
     assert joins(None) == 1
     assert joins({1: 0.0043, 2: 0.00985}) == 0
     assert not JoinBudget(1.5, {1: 0.0072, 2: 0.0112}).times.settled  # seeds are not steps seen
+
+
+def test_above_the_most_rows_seen_a_count_grows_at_least_as_the_warm_up_did():
+    """Warm-up (short rows): 4, 8 and 12 ms at 1, 2 and 4 rows. The group's own steps: 6 ms at
+    one row, 10 at two. Three rows: the prior says 10 + 25 % of 6 = 11.5 ms, the warm-up grew
+    x1.25 from two rows to three (8 -> 10 on its line), so 12.5. Eight rows: flat past the
+    warm-up's four (x1.5: 15 ms), where the prior's 10 + 6 x 1.5 = 19 ms says more."""
+    times = GroupTimes(warm_up_s={1: 0.004, 2: 0.008, 4: 0.012})
+    for _ in range(PROBE_STEPS):
+        times.saw_step(1, 0.006)
+        times.saw_step(2, 0.010)
+    assert times.step(3) == pytest.approx(0.0125)
+    assert times.step(8) == pytest.approx(0.019)
+    assert times.table() == "step ms by rows {1: 6.0, 2: 10.0}, prefill none seen"
+    times.saw_prefill(4096, 0.128)
+    assert times.table().endswith("prefill 32.0K tok/s")

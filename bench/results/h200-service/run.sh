@@ -8,6 +8,7 @@
 #   bash bench/results/h200-service/run.sh prefix      # a 128K document x 8 questions, reuse on/off
 #   bash bench/results/h200-service/run.sh batch       # 32 generate jobs, RINGQ_MAX_BATCH=32 vs 1, mlx-lm
 #   bash bench/results/h200-service/run.sh batch-profile  # the same, rank 0 under cProfile and py-spy
+#   bash bench/results/h200-service/run.sh batch-spy   # the same, py-spy of both runs' rank 0 (no cProfile)
 #   bash bench/results/h200-service/run.sh probe       # the decode kernels: first calls, speed
 #   bash bench/results/h200-service/run.sh rows        # mixed-length decode kernels; 32 rows vs BatchGenerator
 #   bash bench/results/h200-service/run.sh step-cost   # a decode step's host/device split by rows, per MLX setting
@@ -82,6 +83,21 @@ PY
       BATCH_TAG=${BATCH_TAG:--profiled} bash "$0" batch
       wait
       tar czf "$out/logs-batch-profile.tgz" -C /tmp/logs batch
+      ;;
+    batch-spy)  # py-spy (no cProfile) of the batched run's rank, then of the one-at-a-time run's
+      spy=$(ls /tmp/site/py_spy-*.data/scripts/py-spy 2>/dev/null | head -1)
+      chmod +x "$spy"; mkdir -p /tmp/logs/spy
+      spy_on() {  # $1: the run's name; waits for a rank_main process, records it for SPY_S
+        for i in $(seq 600); do pid=$(pgrep -f ring_worker.rank_main | head -1); [ -n "$pid" ] && break; sleep 0.5; done
+        "$spy" record --native --format raw -r 100 -d ${SPY_S:-60} -p $pid \
+          -o /tmp/logs/spy/$1.raw > /tmp/logs/spy/$1.log 2>&1
+      }
+      (spy_on batched
+       while pgrep -f ring_worker.rank_main > /dev/null; do sleep 0.5; done  # that cluster is gone
+       spy_on alone) &
+      bash "$0" batch
+      wait
+      tar czf "$out/logs-batch-spy${BATCH_TAG:-}.tgz" -C /tmp/logs spy
       ;;
     probe)
       python3 -m bench.rows_attention_probe --out "$out/rows-attention-probe.json"
