@@ -14,6 +14,7 @@
 #   bash bench/results/h200-service/run.sh step-cost   # a decode step's host/device split by rows, per MLX setting
 #   bash bench/results/h200-service/run.sh resume      # a ~128K prefill killed late: resumed vs restarted
 #   bash bench/results/h200-service/run.sh prefill-batch  # short documents prefilled together or one by one
+#   bash bench/results/h200-service/run.sh overlap     # a joiner's prefill on a second stream beside the batch's steps
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -119,6 +120,12 @@ PY
     prefill-batch)
       python3 -m bench.batched_prefill --model $model --lengths 256,1024,4096 --chunk-tokens 16384 \
         --out "$out/batched-prefill-h200.json"
+      ;;
+    overlap)
+      for rows in ${OVERLAP_ROWS:-2 8 24}; do
+        timeout 150 python3 -m bench.overlap_probe --model $model --rows $rows --steps 16 \
+          --out "$out/overlap-probe-rows-$rows.json" 2>&1 | grep -E '"(step_ms|saved_s|hidden_share_of_prefill|max_abs_logit_diff)"|prefill_s"|rror'
+      done
       ;;
     resume)
       timeout 580 python3 -m bench.resume --model $model --repeat ${RESUME_REPEAT:-8500} \
