@@ -107,7 +107,7 @@ def main(
         found["prefill_s"].append(prefill_s)
         overlapped_s, overlapped = timed_overlap()
         found["overlapped_s"].append(overlapped_s)
-        diffs.append(mx.abs(serial.reshape(-1) - overlapped.reshape(-1)).max().item())
+        diffs.append(float(mx.abs(serial.reshape(-1) - overlapped.reshape(-1)).max().item()))
     median = {key: statistics.median(values) for key, values in found.items()}
     report = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -121,8 +121,7 @@ def main(
         "step_ms": 1e3 * median["steps_s"] / steps,
         "saved_s": median["steps_s"] + median["prefill_s"] - median["overlapped_s"],
         "hidden_share_of_prefill": (
-            (median["steps_s"] + median["prefill_s"] - median["overlapped_s"])
-            / median["prefill_s"]
+            (median["steps_s"] + median["prefill_s"] - median["overlapped_s"]) / median["prefill_s"]
         ),
         "max_abs_logit_diff": max(diffs),
     }
