@@ -25,6 +25,7 @@ import sys
 import time
 from importlib.resources import files
 from pathlib import Path
+from typing import cast
 
 import click
 
@@ -107,7 +108,7 @@ def main(
         found["prefill_s"].append(prefill_s)
         overlapped_s, overlapped = timed_overlap()
         found["overlapped_s"].append(overlapped_s)
-        diffs.append(float(mx.abs(serial.reshape(-1) - overlapped.reshape(-1)).max().item()))
+        diffs.append(cast(float, mx.abs(serial.reshape(-1) - overlapped.reshape(-1)).max().item()))
     median = {key: statistics.median(values) for key, values in found.items()}
     report = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
