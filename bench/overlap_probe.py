@@ -72,7 +72,7 @@ def main(
     decoder = BatchDecoder(engine, max_batch=rows)
     for row in range(rows):  # rows of different lengths, as a service batch's
         prompt = ids[row * 97 : row * 97 + prompt_tokens - 3 * row]
-        long_enough = DecodeRequest(str(row), max_tokens=10**6)
+        long_enough = DecodeRequest(str(row), max_tokens=steps * (2 * rounds + 3))
         decoder.add(long_enough, engine.prefill(prompt, chunk_tokens))
     joiner = ids[-joiner_tokens:]
     side = mx.new_stream(mx.default_device())
