@@ -11,6 +11,7 @@ import redis
 from jobs import keys
 from jobs.errors import IllegalTransitionError
 from jobs.lifecycle import FINAL_STATES, JobState
+from jobs.once import once, once_arg
 from jobs.schemas import JobRecord, JobResult
 from jobs.store import JobStore
 
@@ -106,13 +107,14 @@ def cancel_many(
 ) -> tuple[int, int, int]:
     """cancel_job for many jobs, a script call per `chunk_jobs`. Returns how many were cancelled
     at once, how many are stopping (running: their ranks see the flag), how many were final."""
-    script = conn.register_script(_CANCEL_MANY)
+    script = conn.register_script(once(_CANCEL_MANY))
     totals = [0, 0, 0]
     for start in range(0, len(job_ids), chunk_jobs):
         chunk = job_ids[start : start + chunk_jobs]
         job_keys = [keys.job(j) for j in chunk] + [keys.job_cancel(j) for j in chunk]
         job_keys += [keys.jobs_in_state(s) for s in (*_NOT_STARTED_ORDER, JobState.CANCELLED)]
         args: list[str | int] = [str(time.time()), ttl_s, json.dumps(NOT_STARTED_REASON), *chunk]
+        args.append(once_arg())
         counts = script(keys=job_keys, args=args)
         totals = [t + int(c) for t, c in zip(totals, counts, strict=True)]
     return totals[0], totals[1], totals[2]

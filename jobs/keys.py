@@ -102,6 +102,10 @@ MEMORY_WAITS = f"{PREFIX}:memory-waits"  # sorted set: job id -> created_at, whi
 SERVICES = f"{PREFIX}:services"  # hash: service label -> JSON ServiceStatus (`ringq up` writes)
 
 
+def script_call(token: str) -> str:
+    return f"{PREFIX}:once:{token}"  # a once-script call's answer (jobs/once.py; expires)
+
+
 def gpu_owner(host: str, gpu: str) -> str:
     return f"{PREFIX}:gpu:{host}:{gpu}"  # the node agent that owns this GPU (expires with it)
 

@@ -39,6 +39,7 @@ import redis
 from admission.estimate import CACHE_STEP_TOKENS, BatchRow, batch_buffer_tokens
 from jobs import keys
 from jobs.errors import JobNotFoundError
+from jobs.once import once, once_arg
 from jobs.schemas import GroupSpec, JobKind, WarmGroup
 from jobs.store import JobStore
 
@@ -170,11 +171,11 @@ def next_keys(group: GroupSpec) -> list[str]:
 class WarmGroups:
     def __init__(self, conn: redis.Redis):
         self.conn = conn
-        self._claim = conn.register_script(_CLAIM)
+        self._claim = conn.register_script(once(_CLAIM))
         self._refresh = conn.register_script(_REFRESH)
-        self._retire = conn.register_script(_RETIRE)
+        self._retire = conn.register_script(once(_RETIRE))
         self._start = conn.register_script(_START)
-        self._join = conn.register_script(_JOIN)
+        self._join = conn.register_script(once(_JOIN))
         self._leave = conn.register_script(_LEAVE)
 
     # -- the dispatcher's side
@@ -193,7 +194,7 @@ class WarmGroups:
 
     def claim(self, group: GroupSpec, job_id: str) -> bool:
         keys_ = [keys.group_idle(group.group_id), *next_keys(group)]
-        return bool(self._claim(keys=keys_, args=[job_id]))
+        return bool(self._claim(keys=keys_, args=[job_id, once_arg()]))
 
     def join(
         self,
@@ -219,7 +220,7 @@ class WarmGroups:
         keys_ += [keys.node_reserved(n) for n in nodes]
         args: list[str | int] = [group.group_id, job_id, max_batch, grow_bytes, row.tokens]
         args += [row.answer_tokens, len(nodes), CACHE_STEP_TOKENS]
-        args += [(capacity_bytes or {})[n] for n in nodes]
+        args += [(capacity_bytes or {})[n] for n in nodes] + [once_arg()]
         outcome = int(self._join(keys=[*keys_, *next_keys(group)], args=args))
         return "joined" if outcome == 1 else "no-memory" if outcome == -1 else "no"
 
@@ -330,7 +331,7 @@ class WarmGroups:
                 if rank != 0:
                     return None
                 keys_ = [idle, keys.WARM_GROUPS, *next_keys(group)]
-                word = self._retire(keys=keys_, args=[group.group_id])
+                word = self._retire(keys=keys_, args=[group.group_id, once_arg()])
                 if word is None:
                     return None
             if word is not None:
