@@ -69,10 +69,12 @@ def simulate(
     noise: float = 0.0,
     seed: int = 0,
     oracle: bool = False,
+    joins: list[float] | None = None,
 ) -> dict:
     """`noise`: each step's time is its modelled one times a draw from a lognormal of this
     sigma (seeded), as a shared host's steps vary. `oracle`: the budget knows every row count's
-    step and the prefill before the first job (no learning, no estimates from above)."""
+    step and the prefill before the first job (no learning, no estimates from above). `joins`,
+    if given, gets the time each job started its prefill, in queue order."""
     draw = random.Random(seed)
     budget = JoinBudget(slowdown, warm_up)
     if oracle:
@@ -87,6 +89,8 @@ def simulate(
     while waiting or members:
         free = waiting[: max_batch - len(members)]
         for job in waiting[: budget.admit(now, dict(members), free)]:
+            if joins is not None:
+                joins.append(now)
             now += prefill_s
             budget.times.saw_prefill(PROMPT_TOKENS, prefill_s)
             budget.arrive(job, prefill_s)
@@ -105,12 +109,28 @@ def simulate(
                 finished[job_id] = now
                 del members[job_id]
                 budget.left(job_id)
+    return outcome([finished[str(i)] for i in range(jobs)], prefill_s, step_s, max_tokens)
+
+
+def outcome(
+    finished: list[float],
+    prefill_s: float,
+    step_s: Callable[[int], float],
+    max_tokens: int,
+    digits: int | None = 2,
+) -> dict:
+    """Makespan, decode throughput against one at a time, and the worst job's latency against
+    one at a time behind the same queue order, of jobs (in queue order) submitted at 0; rounded
+    to `digits` (None: not rounded)."""
+    jobs = len(finished)
     alone = prefill_s + max_tokens * step_s(1)
-    makespan, prefills = max(finished.values()), jobs * prefill_s
+    makespan, prefills = max(finished), jobs * prefill_s
     decode_ratio = (jobs * alone - prefills) / (makespan - prefills)
-    worst = max(finished[str(i)] / ((i + 1) * alone) for i in range(jobs))
-    return {"makespan_s": round(makespan, 1), "decode_x": round(decode_ratio, 2),
-            "worst_latency_x": round(worst, 2)}  # fmt: skip
+    worst = max(end / ((i + 1) * alone) for i, end in enumerate(finished))
+    if digits is None:
+        return {"makespan_s": makespan, "decode_x": decode_ratio, "worst_latency_x": worst}
+    return {"makespan_s": round(makespan, digits - 1), "decode_x": round(decode_ratio, digits),
+            "worst_latency_x": round(worst, digits)}  # fmt: skip
 
 
 def main() -> None:
