@@ -49,14 +49,15 @@ log = logging.getLogger(__name__)
 _dispatcher: "Dispatcher | None" = None  # one per dispatcher process, built on first use
 
 
-def admit_job(job_id: str) -> str:
-    """RQ entry point. Every outcome is written on the job record; nothing is raised to RQ."""
+def admit_job(job_id: str, wake: bool = False) -> str:
+    """RQ entry point. Every outcome is written on the job record; nothing is raised to RQ.
+    `wake`: an extra try of the head, as room freed (`Dispatcher.wait`)."""
     global _dispatcher
     job = get_current_job()
     assert job is not None, "admit_job runs inside the dispatcher's RQ worker"
     if _dispatcher is None or _dispatcher.conn is not job.connection:
         _dispatcher = Dispatcher(job.connection, get_settings())
-    return _dispatcher.admit_guarded(job_id)
+    return _dispatcher.admit_guarded(job_id, again=not wake)
 
 
 def serve(conn: redis.Redis, settings: Settings) -> None:
@@ -90,10 +91,10 @@ class Dispatcher:
         self.queue = admit_queue(conn)
         self.memory_waits = MemoryWaits(conn)
 
-    def admit_guarded(self, job_id: str) -> str:
+    def admit_guarded(self, job_id: str, again: bool = True) -> str:
         """admit(), with every failure recorded on the job: the dispatcher outlives any job."""
         try:
-            return self.admit(job_id)
+            return self.admit(job_id, again)
         except RingqError as exc:
             log.info("job %s rejected: %s", job_id, exc)
             self.store.fail(job_id, str(exc))
@@ -103,18 +104,20 @@ class Dispatcher:
         self.memory_waits.drop(job_id)  # a failed head holds nothing
         return "failed"
 
-    def admit(self, job_id: str) -> str:
+    def admit(self, job_id: str, again: bool = True) -> str:
+        """`again`: a job that waits tries again later (False for a wake's extra try: the
+        job's own retry is still queued)."""
         record = self.store.get(job_id)
         if record.state != JobState.QUEUED:
             self.memory_waits.drop(job_id)
             return f"skipped ({record.state})"
         if record.attempt and time.time() < record.updated_at + retry_delay_s(self.settings):
             # a retry: wait until a node that died with the lost group is no longer live
-            return self.wait(record, Wait(record.waiting_reason or "retrying"))
+            return self.wait(record, Wait(record.waiting_reason or "retrying"), again)
         job = self.prepare(record)
         cluster = self.read_cluster(record)
         if isinstance(cluster, Wait):
-            return self.wait(record, cluster)
+            return self.wait(record, cluster, again)
         if (joined := self.try_join(job, cluster)) is not None:
             return joined
         decision = plan_admission(job, cluster, self.settings)
@@ -123,8 +126,8 @@ class Dispatcher:
                 self.memory_waits.drop(record.id)
             else:
                 self.memory_waits.record(record, decision.hold)
-            return self.wait(record, decision)
-        return self.commit(job, decision, {n.name: n for n in cluster.nodes})
+            return self.wait(record, decision, again)
+        return self.commit(job, decision, {n.name: n for n in cluster.nodes}, again)
 
     # -- reading
 
@@ -260,7 +263,7 @@ class Dispatcher:
         log.info("job %s admitted: %s", job.record.id, place.reason)
         return "admitted (joined)"
 
-    def commit(self, job: Job, place: Place, nodes: dict[str, NodeInfo]) -> str:
+    def commit(self, job: Job, place: Place, nodes: dict[str, NodeInfo], again: bool = True) -> str:
         """Reserve, record the placement, then hand over: one path for warm and new groups."""
         job_id = job.record.id
         group = place.reuse or self.new_group(job, place, nodes)
@@ -268,12 +271,13 @@ class Dispatcher:
         if reserving:
             needs = {n: (place.bytes_per_node, nodes[n].memory_bytes) for n in group.nodes}
             if (why := self.reservations.reserve(group.group_id, needs)) is not None:
-                return self.wait(job.record, Wait(why))  # another dispatcher was faster
+                return self.wait(job.record, Wait(why), again)  # another dispatcher was faster
         if place.reuse is not None and not self.warm.claim(group, job_id):
             # it retired or another dispatcher took it: nothing was recorded, try again soon
             if reserving and not self.conn.hexists(keys.WARM_GROUPS, group.group_id):
                 self.release(group)  # retired: no agent renews what was just reserved for it
-            return self.wait(job.record, Wait("the warm group it was given retired; retrying"))
+            retired = Wait("the warm group it was given retired; retrying")
+            return self.wait(job.record, retired, again)
         placement = self.placement(group, place)
         progress = Progress(phase=JobState.ADMITTED, total=len(job.tokens))
         # Tracked before the job is ADMITTED: a dispatcher killed in between leaves a queued job
@@ -364,23 +368,35 @@ class Dispatcher:
         for name in group.nodes:
             self.reservations.release(group.group_id, name)
 
-    def wait(self, record: JobRecord, wait: Wait) -> str:
+    def wait(self, record: JobRecord, wait: Wait, again: bool = True) -> str:
         """The job fits once running groups free memory: it stays queued (saying why) and tries
         again after the jobs queued behind it, so smaller jobs that fit now go first (backfill),
-        where they leave the oldest job waiting for memory what it needs (jobs/admit_plan.py)."""
+        where they leave the oldest job waiting for memory what it needs (jobs/admit_plan.py).
+        The pause before it goes round again ends early when room frees (`wake_admissions`):
+        the head then tries first."""
         if wait.evict and (asked := self.warm.evict(wait.evict)):
             log.info("job %s: asked idle groups %s to make way", record.id, asked)
         self.store.set_waiting(record.id, wait.reason)
-        time.sleep(self.settings.admit_retry_s / (1 + self.queue.count))  # a round over all
-        attempt = int(self.conn.incr(keys.admit_retries(record.id)))
-        self.conn.expire(keys.admit_retries(record.id), self.settings.job_ttl_s)
-        self.queue.enqueue_many([admit_data(record.id, f"-wait{attempt}")])
+        # a round over all; at least 1 ms: Redis reads a BLPOP timeout under that as 0, for ever
+        pause_s = max(0.001, self.settings.admit_retry_s / (1 + self.queue.count))
+        woken = self.conn.blpop([keys.ADMIT_WAKE], timeout=pause_s) is not None
+        if again:
+            self.queue.enqueue_many([admit_data(record.id, self.attempt_name(record.id, "wait"))])
+        if woken and (head := self.memory_waits.first()) is not None:
+            wake = admit_data(head, self.attempt_name(head, "wake"), wake=True)
+            self.queue.enqueue_many([wake])
         # once per reason: a job waiting a minute is tried hundreds of times (the 1,000-job
         # chaos soak's dispatcher log reached 9 MB, almost all of it the same lines again)
         changed = record.waiting_reason != wait.reason
         log.log(logging.INFO if changed else logging.DEBUG, "job %s waits: %s", record.id,
                 wait.reason)  # fmt: skip
         return "waiting"
+
+    def attempt_name(self, job_id: str, what: str) -> str:
+        """The suffix of a job's next admission's RQ id (one counter per job)."""
+        attempt = int(self.conn.incr(keys.admit_retries(job_id)))
+        self.conn.expire(keys.admit_retries(job_id), self.settings.job_ttl_s)
+        return f"-{what}{attempt}"
 
     def allocate_address(self, node: NodeInfo) -> str:
         """A port for one rank on `node`: a counter per address walks the configured span."""

@@ -99,6 +99,7 @@ def admit_retries(job_id: str) -> str:
 GROUPS_INDEX = f"{PREFIX}:groups"  # hash: group id -> JSON TrackedGroup while it runs
 WARM_GROUPS = f"{PREFIX}:warm"  # hash: group id -> JSON WarmGroup while it may take jobs
 MEMORY_WAITS = f"{PREFIX}:memory-waits"  # sorted set: job id -> created_at, while it waits
+ADMIT_WAKE = f"{PREFIX}:admit-wake"  # list of one word: memory or a group slot may have freed
 SERVICES = f"{PREFIX}:services"  # hash: service label -> JSON ServiceStatus (`ringq up` writes)
 
 

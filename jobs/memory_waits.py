@@ -8,7 +8,13 @@ The dispatcher writes a job's hold each time it waits for memory and drops it wh
 placed, fails or waits for something else. Reading the head also drops an entry whose job is no
 longer queued (cancelled, or its record expired) or whose hold expired (its job stopped being
 admitted without a word), so no hold outlives its job's wait. Reading costs one or two round
-trips however many jobs wait: only the front of the order is read."""
+trips however many jobs wait: only the front of the order is read.
+
+A waiting job tries again once a round of the admit queue (RINGQ_ADMIT_RETRY_S). What frees room
+says so (`wake_admissions`): the dispatcher then puts a try of the head at the front of the
+queue, so a GPU that frees goes to the oldest job at once, not to whichever job's turn comes
+next (a gap of up to a round between two jobs of a warm group: ~0.6 s a job on an H200, one
+at a time)."""
 
 import json
 from typing import Any, cast
@@ -80,6 +86,12 @@ class MemoryWaits:
         raw = cast(dict, self.conn.hgetall(keys.memory_hold(job_id)))
         return {text(name): int(value) for name, value in raw.items()}
 
+    def first(self) -> str | None:
+        """The job id at the front of the order (it may have stopped waiting: admitting it then
+        skips it)."""
+        front = cast(list, self.conn.zrange(keys.MEMORY_WAITS, 0, 0))
+        return text(front[0]) if front else None
+
     def queued(self, job_id: str) -> bool:
         state = self.conn.hget(keys.job(job_id), "state")
         return state is not None and json.loads(state) == JobState.QUEUED.value
@@ -87,3 +99,13 @@ class MemoryWaits:
 
 def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def wake_admissions(conn: redis.Redis) -> None:
+    """Memory or a group slot may have freed (a group's reservation ended, a warm group went
+    idle, a job left a batch): the dispatcher's pause between two tries ends now, and the head
+    is tried first (jobs/dispatcher.py `wait`). One word is kept however many are said."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.lpush(keys.ADMIT_WAKE, "1")
+        pipe.ltrim(keys.ADMIT_WAKE, 0, 0)
+        pipe.execute()

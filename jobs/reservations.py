@@ -13,6 +13,7 @@ import redis
 
 from admission.placement import gib
 from jobs import keys
+from jobs.memory_waits import wake_admissions
 
 # KEYS: reserved hash, leases zset for each node. ARGV: now, expiry, group, then need and
 # capacity per node. Purges expired leases, then reserves on every node or on none. A group that
@@ -99,3 +100,4 @@ class Reservations:
             pipe.hdel(keys.node_reserved(name), group_id)
             pipe.zrem(keys.node_leases(name), group_id)
             pipe.execute()
+        wake_admissions(self.conn)

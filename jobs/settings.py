@@ -57,7 +57,12 @@ class Settings(BaseSettings):
         "within this long (a crashed agent frees its nodes' memory).",
     )
     admit_retry_s: float = Field(
-        default=1.0, gt=0, description="How often a job waiting for memory tries again."
+        default=1.0,
+        gt=0,
+        le=30,
+        description="How often a job waiting for memory tries again (room that frees wakes "
+        "the oldest at once). At most 30 s: a try pauses within its admission, which RQ stops "
+        "after 60 s.",
     )
     node_heartbeat_s: float = Field(default=2.0, gt=0)
     node_ttl_s: float = Field(default=10.0, gt=0)

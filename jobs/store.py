@@ -27,6 +27,7 @@ SUMMARY_FIELD = "summary"  # small spec fields for listings (summary_fields), no
 # write for another's (a Redis restarted under queued jobs failed one with "admitted -> admitted
 # is not allowed").
 WRITE_FIELD = "write"
+ORDER_STEP_S = 1e-6  # created_at apart, in order, of the records written together
 NOT_RECORD_FIELDS = frozenset({SUMMARY_FIELD, WRITE_FIELD})
 UNFINISHED_ENDS = frozenset({JobState.FAILED, JobState.CANCELLED})  # final, but not finished
 
@@ -69,8 +70,13 @@ class JobStore:
     ) -> list[JobRecord]:
         """Queue the writes of new records on `pipe` without checking the ids are free: for
         callers that own their ids (a batch derives them from its own, claimed id). `write`:
-        the transaction's token (WRITE_FIELD)."""
-        records = [_new_record(job_id, spec, now) for job_id, spec in jobs]
+        the transaction's token (WRITE_FIELD). Their created_at runs from `now` in steps of
+        ORDER_STEP_S, in the order given: the queue order (jobs/memory_waits.py) is by
+        created_at, and equal ones would fall back to the ids, which are random."""
+        records = [
+            _new_record(job_id, spec, now + i * ORDER_STEP_S)
+            for i, (job_id, spec) in enumerate(jobs)
+        ]
         for record in records:
             fields = {**record.model_dump(mode="json"), SUMMARY_FIELD: summary_fields(record.spec)}
             if write is not None:
@@ -78,8 +84,9 @@ class JobStore:
             pipe.hset(keys.job(record.id), mapping=_encode(fields))
             pipe.expire(keys.job(record.id), self.job_ttl_s)
         if records:
-            pipe.zadd(keys.JOBS_INDEX, {record.id: now for record in records})
-            pipe.zadd(keys.jobs_in_state(JobState.QUEUED), {record.id: now for record in records})
+            order = {record.id: record.created_at for record in records}
+            pipe.zadd(keys.JOBS_INDEX, order)
+            pipe.zadd(keys.jobs_in_state(JobState.QUEUED), order)
         return records
 
     def get(self, job_id: str) -> JobRecord:

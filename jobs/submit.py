@@ -14,7 +14,7 @@ from jobs.errors import InvalidJobError
 from jobs.model_info import check_spec
 from jobs.schemas import JobRecord, JobSpec, check_job_id
 from jobs.settings import Settings, get_settings
-from jobs.store import JobStore
+from jobs.store import ORDER_STEP_S, JobStore
 
 ADMIT_TIMEOUT_S = 60  # one admission: tokenising the largest document allowed fits well within
 
@@ -47,12 +47,15 @@ def submit_job(
     return record
 
 
-def admit_data(job_id: str, attempt: str = "") -> EnqueueData:
-    """The dispatcher's RQ job for one ringq job (`attempt` names a later try). Admission is
-    idempotent, so RQ may run it again when a dispatcher died running it (an abandoned job)."""
+def admit_data(job_id: str, attempt: str = "", wake: bool = False) -> EnqueueData:
+    """The dispatcher's RQ job for one ringq job (`attempt` names a later try; `wake`: an
+    extra try at the front of the queue, as room freed). Admission is idempotent, so RQ may
+    run it again when a dispatcher died running it (an abandoned job)."""
     return Queue.prepare_data(
         "jobs.dispatcher.admit_job",
         (job_id,),
+        {"wake": True} if wake else None,
+        at_front=wake,
         job_id=f"admit-{job_id}{attempt}",
         timeout=ADMIT_TIMEOUT_S,
         result_ttl=600,
@@ -77,7 +80,8 @@ def enqueue_jobs(
     records: list[JobRecord] = []
     for start in range(0, len(jobs), chunk_jobs):
         chunk = jobs[start : start + chunk_jobs]
-        now = time.time()
+        # in the order given, also across chunks (created_at is the queue order)
+        now = max(time.time(), records[-1].created_at + ORDER_STEP_S if records else 0.0)
         # No MULTI: a transaction's per-command replies double the parsing, and the order of
         # commands on one connection already writes every record before its RQ job.
         with conn.pipeline(transaction=False) as pipe:

@@ -39,6 +39,7 @@ import redis
 from admission.estimate import CACHE_STEP_TOKENS, BatchRow, batch_buffer_tokens
 from jobs import keys
 from jobs.errors import JobNotFoundError
+from jobs.memory_waits import wake_admissions
 from jobs.once import once, once_arg
 from jobs.schemas import GroupSpec, JobKind, WarmGroup
 from jobs.store import JobStore
@@ -282,6 +283,7 @@ class WarmGroups:
         keys_ = [batch_key(group.group_id), keys.group_batch_buffer(group.group_id)]
         keys_ += [keys.node_reserved(n) for n in nodes]
         self._leave(keys=keys_, args=[group.group_id, job_id])
+        wake_admissions(self.conn)  # a row is free: the head may join
 
     def joined(
         self,
@@ -321,9 +323,13 @@ class WarmGroups:
         for rank 0's word, a little longer in case rank 0 died)."""
         own, idle = keys.group_next(group.group_id, rank), keys.group_idle(group.group_id)
         give_up = time.monotonic() + idle_s + (0 if rank == 0 else RANK_GRACE_S)
+        claimable = False
         while True:
             if rank == 0:
                 self._refresh(keys=[idle, own], args=[IDLE_KEY_TTL_S])
+                if not claimable:  # the head may take it now, not at its next try
+                    wake_admissions(self.conn)
+                    claimable = True
             popped = self.conn.blpop([own], timeout=1)
             kick()
             word: bytes | str | None = popped[1] if popped is not None else None

@@ -2,6 +2,7 @@
 holds; jobs/admit_plan.py states the rule): a ring of two waiting behind single jobs on both
 GPUs is not overtaken by single jobs submitted after it, and a hold ends with its job's wait."""
 
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from jobs.lifecycle import JobState
 from jobs.memory_waits import MemoryWaits
 from jobs.schemas import JobKind, JobRecord, JobSpec
 from jobs.settings import Settings
+from jobs.submit import enqueue_jobs
 from tests.jobs.test_admit_plan import GIB, gpu
 
 MODEL = "random:llama-3.1-8b"
@@ -131,3 +133,43 @@ def test_a_retry_goes_ahead_of_first_attempts_submitted_before_it(dispatcher):
     assert waits.head(retry) is None  # nothing waits ahead of it
     waits.record(retry, {"g0": GIB})
     assert waits.head(first) == HeadHold("retried", {"g0": GIB})
+
+
+def test_jobs_enqueued_together_wait_in_the_order_given(dispatcher):
+    """One pipeline writes them with one clock reading: equal created_at made the queue order
+    the ids' (random), so a batch's lines ran in any order, one at a time (an H200 run of 32)."""
+    run_single_job(dispatcher, "run-a", "g0")
+    run_single_job(dispatcher, "run-b", "g1")
+    names = ["zz", "mm", "aa"]  # against the ids' order
+    specs = [JobSpec(kind=JobKind.PREFILL, document=f"{n} " * 1000, model=MODEL) for n in names]
+    jobs = list(zip(names, specs, strict=True))
+    records = enqueue_jobs(dispatcher.conn, jobs, settings=dispatcher.settings)
+    assert [r.created_at for r in records] == sorted({r.created_at for r in records})
+    for name in names:
+        assert dispatcher.admit(name) == "waiting"
+    assert MemoryWaits(dispatcher.conn).first() == "zz"
+    head = MemoryWaits(dispatcher.conn).head(dispatcher.store.get("aa"))
+    assert head is not None and head.job_id == "zz"
+
+
+def test_room_that_frees_ends_the_pause_and_the_head_tries_first(dispatcher):
+    """A waiting job pauses RINGQ_ADMIT_RETRY_S (a round; 30 s here) before it tries again. A
+    released reservation wakes the pause, and a try of the head goes to the front of the admit
+    queue, ahead of the waiting job's own retry; a wake's try that waits again queues none."""
+    dispatcher.settings = dispatcher.settings.model_copy(update={"admit_retry_s": 30.0})
+    run_single_job(dispatcher, "run-a", "g0")
+    run_single_job(dispatcher, "run-b", "g1")
+    head, later = submit(dispatcher, "head", ranks=2), submit(dispatcher, "later")
+    assert dispatcher.memory_waits.first() is None
+    dispatcher.conn.delete(keys.ADMIT_WAKE)
+    threading.Timer(0.5, end_single_job, (dispatcher, "run-a", "g0")).start()  # wakes
+    began = time.monotonic()
+    assert dispatcher.admit(later.id) == "waiting"  # behind nothing: it is the head
+    assert time.monotonic() - began < 15  # not the 30 s pause
+    queued = [(job.args, job.kwargs) for job in dispatcher.queue.get_jobs()]
+    assert queued == [(["later"], {"wake": True}), (["later"], {})]
+    dispatcher.conn.lpush(keys.ADMIT_WAKE, "1")  # no pause this time
+    assert dispatcher.admit(head.id, again=False) == "waiting"  # a ring: needs both GPUs
+    queued = [(job.args, job.kwargs) for job in dispatcher.queue.get_jobs()]
+    # the head now is the older job: its try goes first; the wake's try queued no retry
+    assert queued == [(["head"], {"wake": True}), (["later"], {"wake": True}), (["later"], {})]
