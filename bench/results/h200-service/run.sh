@@ -14,7 +14,7 @@
 #   bash bench/results/h200-service/run.sh step-cost   # a decode step's host/device split by rows, per MLX setting
 #   bash bench/results/h200-service/run.sh resume      # a ~128K prefill killed late: resumed vs restarted
 #   bash bench/results/h200-service/run.sh prefill-batch  # short documents prefilled together or one by one
-#   bash bench/results/h200-service/run.sh overlap     # a joiner's prefill on a second stream beside the batch's steps
+#   bash bench/results/h200-service/run.sh overlap     # a joiner's prefill beside the batch's steps (second stream; layer slices)
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -122,9 +122,12 @@ PY
         --out "$out/batched-prefill-h200.json"
       ;;
     overlap)
-      for rows in ${OVERLAP_ROWS:-2 8 24}; do
-        timeout 150 python3 -m bench.overlap_probe --model $model --rows $rows --steps 16 \
-          --out "$out/overlap-probe-rows-$rows.json" 2>&1 | grep -E "step_ms|saved_s|max_abs_logit_diff|rror"
+      for steps in ${OVERLAP_STEPS:-16}; do
+        for rows in ${OVERLAP_ROWS:-2 8 24}; do
+          timeout 150 python3 -m bench.overlap_probe --model $model --rows $rows --steps $steps \
+            --out "$out/overlap-probe-rows-$rows${OVERLAP_TAG:-}-steps-$steps.json" 2>&1 \
+            | grep -E "step_ms|saved_s|max_abs_logit_diff|rror"
+        done
       done
       ;;
     resume)
