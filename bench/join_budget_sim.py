@@ -81,8 +81,6 @@ def simulate(
         for rows in range(1, max_batch + 1):
             for _ in range(RECENT_STEPS):
                 budget.times.saw_step(rows, step_s(rows))
-        for _ in range(RECENT_STEPS):
-            budget.times.saw_alone_step(step_s(1))
         budget.times.saw_prefill(PROMPT_TOKENS, prefill_s)
     waiting = [Waiting(str(i), 0.0, PROMPT_TOKENS, max_tokens) for i in range(jobs)]
     now, members, finished = 0.0, dict[str, int](), dict[str, float]()
@@ -100,8 +98,6 @@ def simulate(
         ]
         step = step_s(len(members)) * (draw.lognormvariate(0.0, noise) if noise else 1.0)
         budget.times.saw_step(len(members), step)
-        if len(members) == 1:
-            budget.times.saw_alone_step(step)
         now += step
         for job_id in list(members):
             members[job_id] -= 1

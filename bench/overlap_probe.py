@@ -73,12 +73,15 @@ def main(
     decoder = BatchDecoder(engine, max_batch=rows)
     for row in range(rows):  # rows of different lengths, as a service batch's
         prompt = ids[row * 97 : row * 97 + prompt_tokens - 3 * row]
-        long_enough = DecodeRequest(str(row), max_tokens=steps * (2 * rounds + 3))
+        # three phases step the batch each round and three in the untimed warm-up, plus one spare
+        long_enough = DecodeRequest(str(row), max_tokens=steps * (3 * rounds + 4))
         decoder.add(long_enough, engine.prefill(prompt, chunk_tokens))
     joiner = ids[-joiner_tokens:]
     side = mx.new_stream(mx.default_device())
 
     def timed_steps() -> float:
+        if len(decoder.members) != rows:  # a row that ended (its max or a stop) voids the round
+            raise click.ClickException(f"{rows - len(decoder.members)} rows left the batch")
         began = time.perf_counter()
         for _ in range(steps):
             decoder.step()

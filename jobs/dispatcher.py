@@ -39,7 +39,7 @@ from jobs.prompts import tokenize_and_check
 from jobs.recovery import Reconciler, fresh_nodes, retry_delay_s, track_group, untrack_group
 from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, JobKind, JobRecord, JobSpec, NodeInfo, Placement, Progress
-from jobs.settings import Settings, get_settings, max_batch_for
+from jobs.settings import Settings, get_settings, group_batch_limit
 from jobs.store import JobStore
 from jobs.submit import admit_data, admit_queue, node_queue
 from jobs.warm_groups import WarmGroups
@@ -283,7 +283,7 @@ class Dispatcher:
         # Tracked before the job is ADMITTED: a dispatcher killed in between leaves a queued job
         # that RQ admits again, never an admitted job whose group nobody watches.
         track_group(self.conn, group.model_copy(update={"job_id": job_id}))
-        self.open_batch(group, job, place)
+        self.warm.started(group, job_id, job.batch_row)  # what a lost group's retry covers
         try:
             self.store.transition(
                 job_id,
@@ -301,6 +301,7 @@ class Dispatcher:
         self.memory_waits.drop(job_id)  # placed: a head's hold ends
         self.mark_pending_prefix(job)
         if place.reuse is None:
+            self.offer(group, place)
             self.start_ranks(group)
         log.info(
             "job %s admitted: %s on %s (%s)",
@@ -311,12 +312,11 @@ class Dispatcher:
         )
         return "admitted (warm)" if place.reuse is not None else "admitted"
 
-    def open_batch(self, group: GroupSpec, job: Job, place: Place) -> None:
-        """The job is in its group's batch (what the reconciler retries if the group is lost);
-        a new warm group that batches is offered at once, so jobs join it while it loads."""
-        self.warm.started(group, job.record.id, job.batch_row)
-        batching = max_batch_for(self.settings, group.backend) > 1
-        if place.reuse is None and group.idle_s > 0 and batching:
+    def offer(self, group: GroupSpec, place: Place) -> None:
+        """A new group that batches is offered once its job is admitted, so jobs join it while
+        it starts. Its ranks then start and serve what joined even if that job is cancelled
+        before they load (ring_worker/serve_loop.py `start_engine`, the node agents' `stale`)."""
+        if group_batch_limit(group, self.settings) > 1:
             self.warm.offer(group, place.bytes_per_node, place.plan.chunk_tokens)
 
     def mark_pending_prefix(self, job: Job) -> None:

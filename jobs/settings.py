@@ -2,13 +2,16 @@
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import platformdirs
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from admission.vocabulary import Device, Exchange, KVLayout
+
+if TYPE_CHECKING:
+    from jobs.schemas import GroupSpec
 
 
 class Settings(BaseSettings):
@@ -192,6 +195,13 @@ DEFAULT_MAX_BATCH = {"cpu": 8, "metal": 8, "cuda": 32}
 def max_batch_for(settings: Settings, backend: str) -> int:
     """The batch limit of a group on `backend` ("cpu", "metal", "cuda")."""
     return settings.max_batch or DEFAULT_MAX_BATCH.get(backend, 1)
+
+
+def group_batch_limit(group: "GroupSpec", settings: Settings) -> int:
+    """How many jobs a group may decode together, read the same way by the dispatcher (which
+    offers a new group over 1 for jobs to join while it starts), the node agents and every rank:
+    the backend of its first rank's device; 1 unless it is a warm group (idle_s > 0)."""
+    return max_batch_for(settings, group.backend) if group.idle_s > 0 else 1
 
 
 @lru_cache(maxsize=1)

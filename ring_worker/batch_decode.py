@@ -44,7 +44,6 @@ CLEAR_CACHE_STEPS = 256
 WARM_UP_LENGTHS = (8, 16, 24)  # warm_up's rows: three lengths, so its steps mix them
 MEASURED_ROWS = (1, 2, 4)  # row counts whose step time warm_up measures
 MEASURED_STEPS = 8  # timed steps per row count, after two untimed
-ALONE_PAIRS = 3  # warm_up's alternating pairs of one at a time and a one-row batch
 LogitsHook = Callable[[list[str], mx.array], None]  # (row keys, (rows, vocab) float32 logits)
 
 
@@ -276,57 +275,21 @@ class BatchDecoder:
         mx.clear_cache()
 
 
-@dataclass(frozen=True)
-class WarmUpSteps:
-    """What a batching group's warm-up measured on short rows: a batch's seconds per step by
-    row count, and a step one at a time (`Engine.decode`, as with RINGQ_MAX_BATCH=1) as a
-    multiple of a one-row batch step."""
-
-    batch_s: dict[int, float]
-    alone_ratio: float
-
-    @property
-    def alone_s(self) -> float:
-        """Seconds per step one at a time."""
-        return self.batch_s[1] * self.alone_ratio
-
-
-def warm_up(engine: Engine) -> WarmUpSteps:
+def warm_up(engine: Engine) -> dict[int, float]:
     """Run what a batch's steps run, then time them: rows of three lengths join, decode
     together and leave at different steps; then MEASURED_ROWS rows of different lengths decode
-    MEASURED_STEPS steps each, and one sequence one at a time against a one-row batch, in
-    alternating pairs. Returns seconds per step (the medians), which seed the group's join
-    budget (ring_worker/join_budget.py). On an H200 a fresh process compiled its kernels
-    (NVRTC: gathers, scatters, fused elementwise, the mixed-length attention; 1-4 s each)
-    inside its first batch's steps: py-spy of a 32-job batch put 54 % of rank 0's samples in
-    NVRTC. MLX keeps what it compiles on disk (its PTX cache), so a later group process reads
-    it back."""
+    MEASURED_STEPS steps each. Returns seconds per step by row count (the medians, short rows),
+    which seed the group's join budget (ring_worker/join_budget.py). On an H200 a fresh process
+    compiled its kernels (NVRTC: gathers, scatters, fused elementwise, the mixed-length
+    attention; 1-4 s each) inside its first batch's steps: py-spy of a 32-job batch put 54 % of
+    rank 0's samples in NVRTC. MLX keeps what it compiles on disk (its PTX cache), so a later
+    group process reads it back."""
     decoder = BatchDecoder(engine)
     for row, length in enumerate(WARM_UP_LENGTHS):
         request = DecodeRequest(key=str(row), max_tokens=row + 2)
         decoder.add(request, engine.prefill([0] * length, length))
     decoder.run()
-    batch_s = {rows: _time_steps(engine, rows) for rows in MEASURED_ROWS}
-    return WarmUpSteps(batch_s, _alone_ratio(engine))
-
-
-def _alone_ratio(engine: Engine) -> float:
-    """One at a time's step against a one-row batch's, timed in ALONE_PAIRS alternating pairs
-    (the median pair's ratio): one unpaired pair of 8-step medians said 0.72 in one H200 run
-    and 0.93 in another."""
-    ratios = [_time_alone(engine) / _time_steps(engine, 1) for _ in range(ALONE_PAIRS)]
-    return statistics.median(ratios)
-
-
-def _time_alone(engine: Engine) -> float:
-    """Median seconds per step of one sequence through `Engine.decode` (one at a time's path)."""
-    length, ends = WARM_UP_LENGTHS[0], list[float]()
-    engine.decode(
-        engine.prefill([0] * length, length),
-        MEASURED_STEPS + 3,
-        on_progress=lambda *_: ends.append(time.perf_counter()),
-    )
-    return statistics.median(b - a for a, b in itertools.pairwise(ends[1:]))
+    return {rows: _time_steps(engine, rows) for rows in MEASURED_ROWS}
 
 
 def _time_steps(engine: Engine, rows: int) -> float:

@@ -38,7 +38,6 @@ from ring_worker.batch_decode import (
     DecodeRequest,
     SequenceResult,
     StepTimes,
-    WarmUpSteps,
 )
 from ring_worker.decode_text import partial_result
 from ring_worker.engine import Cancelled, DecodeResult, Engine, ProgressFn
@@ -91,9 +90,10 @@ class BatchServer:
         watchdog: Watchdog,
         prefix: RankPrefixCache | None,
         max_batch: int,
-        warm_up: WarmUpSteps | None = None,
+        warm_up: dict[int, float] | None = None,
     ):
-        """`warm_up`: the group's warm-up steps (GPU), which the join budget starts from."""
+        """`warm_up`: the group's warm-up seconds per step by row count (GPU), which the join
+        budget starts from."""
         self.ctx, self.engine, self.tokenizer = ctx, engine, tokenizer
         self.watchdog, self.prefix, self.max_batch = watchdog, prefix, max_batch
         # rows grow as jobs join (doubling), not reserved for max_batch up front: the group's
@@ -102,8 +102,7 @@ class BatchServer:
         self.members: dict[str, _Member] = {}
         self.joins = JoinTimes()
         self.profile: cProfile.Profile | None = None
-        step_s, ratio = (warm_up.batch_s, warm_up.alone_ratio) if warm_up else (None, None)
-        self.budget = JoinBudget(ctx.settings.max_slowdown, step_s, ratio)  # rank 0 decides
+        self.budget = JoinBudget(ctx.settings.max_slowdown, warm_up)  # rank 0 decides
         self.waiting: dict[str, Waiting] = {}  # rank 0: jobs handed over, not started yet
         self.loop_clock = LoopClock(self.budget.times)
         self.held: set[str] = set()  # rank 0: jobs told they wait to join

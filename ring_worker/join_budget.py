@@ -17,8 +17,11 @@ deadline never keeps it out: joining later only finishes it later.
 The times are the group's own, as its loop runs them (LoopClock): seconds from one step's start
 to the next (the step, the hand-off between steps, finished jobs' records) per row count, the
 median of the last RECENT_STEPS; a join's stall is the gap it opened between two steps, per
-prompt token. Deadlines take the lower quartile of one-row steps by themselves (one at a time
-runs no hand-off between steps), scaled to one at a time's own path as the warm-up measured it.
+prompt token. Deadlines take the loop's own one-row step: at one row the loop runs as one at a
+time does (H200, 8B, 32 jobs of 4K tokens and 256 each: 55.65 s at batch size 1 in the batching
+loop, 55.57 s with RINGQ_MAX_BATCH=1, in one run). A one-row step by itself, less the loop
+around it and scaled by the warm-up's one-at-a-time ratio, said 4.2-4.7 ms where one at a time
+took 6.4: every deadline came out short, every lone job looked late, and no job ever joined.
 Three guards keep a wrong guess from starving a member, since a join cannot be undone:
 - A row count not seen yet is estimated from above. Between two seen counts it is on the line
   through them; above every seen count, each added row costs what the seen counts' slope says
@@ -67,8 +70,6 @@ class GroupTimes:
     warm_up_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds, short rows
     step_s: dict[int, float] = field(default_factory=dict)  # rows -> median of recent steps
     recent_s: dict[int, deque[float]] = field(default_factory=dict)  # rows -> recent steps
-    alone_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
-    alone_ratio: float | None = None  # warm-up: one at a time's step / a one-row batch step
     prefill_tok_s: float | None = None
     steps_seen: int = 0
 
@@ -81,19 +82,6 @@ class GroupTimes:
         recent.append(seconds)
         self.step_s[rows] = statistics.median(recent)
         self.steps_seen += 1
-
-    def saw_alone_step(self, seconds: float) -> None:
-        """A one-row step by itself, without the loop around it (a job one at a time runs no
-        hand-off between its steps)."""
-        self.alone_s.append(seconds)
-
-    def one_row_low(self) -> float:
-        """A one-row step as one at a time runs it, on the low side: the lower quartile of the
-        recent one-row steps by themselves, scaled by what one at a time's own path
-        (`Engine.decode`) took against a one-row batch at warm-up, where that was less (H200
-        warm-ups: 0.72-1.48). Deadlines from it are tighter, never looser."""
-        low = self.step(1) if len(self.alone_s) < 4 else statistics.quantiles(self.alone_s, n=4)[0]
-        return low * min(1.0, self.alone_ratio) if self.alone_ratio else low
 
     def saw_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
@@ -184,17 +172,15 @@ class JoinBudget:
         self,
         slowdown: float | None,
         step_s: dict[int, float] | None = None,
-        alone_ratio: float | None = None,
     ):
         """`slowdown` None: no bound (every waiting job is admitted). `step_s`: seconds per step
         by row count measured before the group's first job (its GPU warm-up, on short rows): its
         ratios to one row bound the estimates from below (GroupTimes.step); they count as no
-        step seen, so deadlines still settle on the group's own. `alone_ratio`: a step one at a
-        time against a one-row batch step, at the same warm-up (GroupTimes.one_row_low)."""
+        step seen, so deadlines still settle on the group's own."""
         if slowdown is not None and slowdown < 1:
             raise ValueError(f"slowdown must be at least 1, got {slowdown}")
         self.slowdown = slowdown
-        self.times = GroupTimes(warm_up_s=dict(step_s or {}), alone_ratio=alone_ratio)
+        self.times = GroupTimes(warm_up_s=dict(step_s or {}))
         self.deadlines: dict[str, float] = {}
         self._arrived: list[tuple[Waiting, float | None]] = []  # deadlines not fixed yet
         self._seen: set[str] = set()
@@ -255,7 +241,7 @@ class JoinBudget:
         for job, prefill_s in self._arrived:
             if prefill_s is None:
                 prefill_s = self.times.prefill(job.prompt_tokens)
-            alone_s = prefill_s + job.max_tokens * self.times.one_row_low()
+            alone_s = prefill_s + job.max_tokens * self.times.step(1)
             virtual_end = max(virtual_end, job.submitted) + alone_s
             if job.job_id in self._seen and self.slowdown is not None:  # not left yet
                 allowed_s = self.slowdown * (virtual_end - job.submitted)
@@ -305,8 +291,6 @@ class LoopClock:
                 self.times.saw_prefill(self.joined_tokens, now - then - step_s)
             elif self.joined_tokens is None and not self.unsampled:
                 self.times.saw_step(last_rows, now - then)
-                if last_rows == 1:
-                    self.times.saw_alone_step(step_s)
             self.unsampled = max(0, self.unsampled - 1)
         self.last, self.joined_tokens = (rows, now, 0.0), None
 

@@ -23,7 +23,7 @@ from jobs.errors import JobNotFoundError, RingqError
 from jobs.recovery import lose_group_jobs
 from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, NodeInfo, NodeRank
-from jobs.settings import Settings
+from jobs.settings import Settings, group_batch_limit
 from jobs.store import JobStore
 from jobs.submit import node_queue
 from jobs.workers import service_worker
@@ -224,7 +224,12 @@ class NodeAgent:
             record = self.store.get(group.job_id)
         except JobNotFoundError:
             return "its job no longer exists"
-        if record.state.is_final or record.placement is None:
+        if record.placement is None:
+            return f"its job is {record.state}"
+        if record.state.is_final and group_batch_limit(group, self.settings) <= 1:
+            # a group that batches starts anyway: jobs may have joined it (jobs/dispatcher.py
+            # `offer`), and every agent must decide alike (a ring half started waits for its
+            # other half until the loading timeout)
             return f"its job is {record.state}"
         if record.placement.group_id != group.group_id:
             return f"its job moved on to group {record.placement.group_id}"

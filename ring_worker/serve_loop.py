@@ -14,10 +14,9 @@ import mlx.core as mx
 from jobs.errors import ModelLoadError
 from jobs.lifecycle import JobState
 from jobs.model_catalog import resolve_model
-from jobs.schemas import GroupSpec
-from jobs.settings import Settings, max_batch_for
+from jobs.settings import group_batch_limit
 from jobs.tokenizer import ChatTokenizer, load_tokenizer
-from ring_worker.batch_decode import WarmUpSteps, batch_decode_supported
+from ring_worker.batch_decode import batch_decode_supported
 from ring_worker.batch_decode import warm_up as warm_up_batch
 from ring_worker.batch_serve import BatchServer
 from ring_worker.decode_text import partial_result
@@ -75,13 +74,6 @@ def batch_limit(ctx: RankContext, engine: Engine) -> int:
     return group_batch_limit(ctx.group, ctx.settings)
 
 
-def group_batch_limit(group: GroupSpec, settings: Settings) -> int:
-    """The limit for the backend of the group's plan, read as the dispatcher reads it when it
-    offers a new group for batching (jobs/dispatcher.py::Dispatcher.open_batch): the first
-    rank's device, so every rank (and the dispatcher) gets the same answer."""
-    return max_batch_for(settings, group.backend) if group.idle_s > 0 else 1
-
-
 def next_job(ctx: RankContext, engine: Engine, io: JobIO, watchdog: Watchdog) -> JobIO | None:
     """A warm group's next job: every rank waits in Redis for the dispatcher's word and all get
     the same. The dispatcher hands a job over before it records the placement, so every rank
@@ -110,16 +102,20 @@ def next_job(ctx: RankContext, engine: Engine, io: JobIO, watchdog: Watchdog) ->
 
 
 def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
-    """Join the group and load the model as its plan says; ranks of a job cancelled meanwhile
-    stop together."""
+    """Join the group and load the model as its plan says. Ranks of a job cancelled meanwhile
+    stop together, unless jobs may have joined the group while it started (it batches: the
+    dispatcher offered it at once). Those wait on it, so it loads and serves them, and its
+    first job ends at its first check."""
     group, rank = ctx.group, ctx.rank
+    may_stop = group_batch_limit(group, ctx.settings) <= 1
     on_cpu = rank < len(group.devices) and group.devices[rank] == "cpu"
     if on_cpu:  # the plan puts this rank on CPU, GPU or not (admission.group_plan)
         mx.set_default_device(mx.cpu)
     else:
         cap_device_memory(ctx.settings.rank_memory_limit_bytes)
     mx_group = join_group(group.addresses, rank, ctx.scratch_dir, group.transport)
-    stop_if_cancelled(mx_group, io, "before loading the model")
+    if may_stop:
+        stop_if_cancelled(mx_group, io, "before loading the model")
     source = resolve_model(group.model, allowed_dirs=ctx.settings.allowed_dirs)
     prune = None
     if group.strategy == "pipeline" and group.ranks > 1:
@@ -130,11 +126,12 @@ def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
     except (OSError, ValueError, RuntimeError) as exc:  # a new placement would fail the same way
         raise ModelLoadError(f"cannot load model {group.model}: {exc}") from exc
     tokenizer = load_tokenizer(source)  # every rank: all must stop on the same EOS
-    stop_if_cancelled(mx_group, io, "after loading the model")
+    if may_stop:
+        stop_if_cancelled(mx_group, io, "after loading the model")
     return make_engine(model, mx_group, group.strategy, group.exchange, group.kv_layout), tokenizer
 
 
-def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> WarmUpSteps | None:
+def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> dict[int, float] | None:
     """On GPUs, run the kernels the group's jobs will need once while loading: a prefill of two
     chunks (the first chunk's shapes and one with a past) and two decode steps, on token 0, and
     in a group that batches a short batch (ring_worker/batch_decode.py `warm_up`), whose step
@@ -149,13 +146,12 @@ def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> WarmUpSteps 
     steps = warm_up_batch(engine) if batch_limit(ctx, engine) > 1 else None
     mx.clear_cache()
     log.info(
-        "job %s rank %d: warmed up (%d-token chunks) in %.1fs; step ms by rows %s, alone %s",
+        "job %s rank %d: warmed up (%d-token chunks) in %.1fs; step ms by rows %s",
         ctx.group.job_id,
         ctx.rank,
         chunk_tokens,
         time.perf_counter() - started,
-        {rows: round(1e3 * s, 2) for rows, s in steps.batch_s.items()} if steps else {},
-        round(1e3 * steps.alone_s, 2) if steps else None,
+        {rows: round(1e3 * s, 2) for rows, s in steps.items()} if steps else {},
     )
     return steps
 

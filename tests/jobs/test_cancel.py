@@ -51,6 +51,23 @@ def cancel_cluster() -> Iterator[LocalCluster]:
         yield running
 
 
+@pytest.fixture(scope="module")
+def batching_cluster() -> Iterator[LocalCluster]:
+    """Warm groups that batch: a new group is offered for jobs to join while its ranks start."""
+    env = {
+        "RINGQ_PREFILL_CHUNK_TOKENS": "128",
+        "RINGQ_RANK_PORT_BASE": "31400",
+        "RINGQ_GROUP_IDLE_S": "30",
+        "RINGQ_MAX_BATCH": "4",
+        "RINGQ_PREFIX_CACHE": "off",
+        "RINGQ_NODE_HEARTBEAT_S": "10",  # the agents are SIGSTOPped while jobs are admitted
+        "RINGQ_NODE_TTL_S": "60",
+        "RINGQ_RESERVATION_LEASE_S": "5",  # a group whose ranks never start is found in 5 s
+    }
+    with private_cluster("cancelb", env) as running:
+        yield running
+
+
 @pytest.fixture
 def store(cancel_cluster):
     return JobStore(connect(cancel_cluster.url))
@@ -96,6 +113,33 @@ def test_cancel_admitted_job_starts_no_rank(cancel_cluster, store, tiny_llama_di
     assert_group_ended_cleanly(store, placement)
     final = store.get(record.id)
     assert final.state == JobState.CANCELLED and final.error == "cancelled before it started"
+
+
+def test_a_job_that_joined_a_starting_group_runs_there_when_its_first_job_is_cancelled(
+    batching_cluster, tiny_llama_dir
+):
+    """The ranks of a new group that batches start and serve the jobs that joined it, though its
+    first job was cancelled before they started: once, the agents skipped them and a joiner
+    waited for the group's lease to run out (on a ring half started, for the 600 s loading
+    timeout) before it was retried."""
+    store = JobStore(connect(batching_cluster.url))
+    agents = [child_pid(batching_cluster, name) for name in batching_cluster.node_names]
+
+    model, short = str(tiny_llama_dir), "A short note about batching. " * 5
+    ring = JobSpec(kind=JobKind.GENERATE, document=LONG_DOCUMENT, model=model, ranks=2)
+    with stopped(agents):  # both jobs are placed; no rank starts until the agents resume
+        first = submit_job(store.conn, ring)
+        group = wait_for(lambda: store.get(first.id).placement, "the first job's admission")
+        joiner = submit_job(store.conn, JobSpec(kind=JobKind.GENERATE, document=short, model=model))
+        wait_for(lambda: store.get(joiner.id).state != JobState.QUEUED, "the joiner's admission")
+        assert cancel_job(store, first.id).state == JobState.CANCELLED
+    placed = store.get(joiner.id).placement
+    assert placed is not None and placed.group_id == group.group_id, placed
+    assert group.strategy == "ring" and group.ranks == 2
+    done = wait_for(lambda: final_record(store, joiner.id), "the joiner to end")
+    assert done.state == JobState.FINISHED, done.error
+    assert done.attempt == 0 and done.placement.group_id == group.group_id
+    assert store.get(first.id).state == JobState.CANCELLED
 
 
 @pytest.mark.parametrize("strategy", ["ring", "pipeline"])

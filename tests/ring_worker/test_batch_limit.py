@@ -1,4 +1,4 @@
-"""How many jobs a group decodes together (ring_worker/serve_loop.py::group_batch_limit): from the
+"""How many jobs a group decodes together (jobs/settings.py::group_batch_limit): from the
 devices its plan gave it, as the dispatcher reads them, never from the device the rank finds."""
 
 import pytest
@@ -6,8 +6,7 @@ import pytest
 from admission.estimate import Layout
 from admission.group_plan import NodeFacts, plan_group
 from jobs.schemas import GroupSpec
-from jobs.settings import DEFAULT_MAX_BATCH, Settings
-from ring_worker.serve_loop import group_batch_limit
+from jobs.settings import DEFAULT_MAX_BATCH, Settings, group_batch_limit
 
 CPU = NodeFacts("c0", "cpu")
 CPU1 = NodeFacts("c1", "cpu")
