@@ -16,7 +16,9 @@ Run it once per MLX setting to compare (each is read once per process), for inst
    the linears (ring_worker/fused_linears.py, CUDA), every cell runs once per `--linears`
    variant, the variants alternating `--repeats` times (the host's speed drifts between runs on
    a shared machine, so only side-by-side cells compare): "fused" as the decoder runs, and
-   "separate" (the calls go around the fused weights). Ablations of the mixed-length path, to
+   "separate" (the calls go around the fused weights), and "+eager": steps of several rows
+   built by Python op by op, not as one compiled function (ring_worker/compiled_step.py, the
+   decoder's default where the rows kernels run). Ablations of the mixed-length path, to
    locate what a second length costs (their numbers are wrong, their work is a uniform step's):
    "sdpa" (attention by fused SDPA over `longest + 1` columns, no kernels), "rope" (one
    int RoPE offset); join them with "+". (A third, "store", wrote every row at one column
@@ -128,7 +130,8 @@ def time_steps(
     from ring_worker.batch_decode import BatchDecoder, DecodeRequest
     from ring_worker.fused_linears import FusedMLP
 
-    decoder = BatchDecoder(engine, max_batch=len(prefills))
+    eager = "eager" in linears.split("+")
+    decoder = BatchDecoder(engine, max_batch=len(prefills), compiled=False if eager else None)
     fused = any(isinstance(x.mlp, FusedMLP) for x in engine.model.layers)
     if "separate" not in linears.split("+") and not fused:
         return None
@@ -225,7 +228,7 @@ def variant(model: Any, linears: str) -> Any:
             stack.enter_context(separate_linears(model))
         elif part in ABLATIONS:
             stack.enter_context(ABLATIONS[part](model))
-        elif part != "fused":
+        elif part not in ("fused", "eager"):  # eager: BatchDecoder(compiled=False)
             raise ValueError(f"unknown --linears variant {part!r}")
     return stack
 

@@ -147,6 +147,12 @@ class SlotCache:
         self.keys[:count, :, at : at + 1] = keys
         self.values[:count, :, at : at + 1] = values
 
+    def reserve_step(self, count: int) -> None:
+        """Room for a step of `count` rows at the rows' common column (what `store` makes
+        before it writes; a compiled step writes inside its trace)."""
+        assert self.keys is not None
+        self._reserve(count, self.rows.end + 1, self.keys)
+
     def put(self, row: int, keys: mx.array, values: mx.array, end: int) -> None:
         """Copy one sequence's K/V ((1, kv_heads, length, head_dim)) into `row`, ending at
         column `end`."""

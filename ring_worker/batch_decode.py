@@ -35,6 +35,7 @@ from typing import cast
 import mlx.core as mx
 
 from ring_worker.batch_cache import BatchCache
+from ring_worker.compiled_step import CompiledStep
 from ring_worker.engine import Engine, PrefillResult, ProgressFn, RingEngine, StopFn
 from ring_worker.fused_linears import fuse_layers
 from ring_worker.pipeline import PipelineEngine
@@ -115,10 +116,16 @@ class BatchDecoder:
     """Steps every sequence it holds together. `add` between steps; `step` until not `busy`."""
 
     def __init__(
-        self, engine: Engine, on_logits: LogitsHook | None = None, max_batch: int | None = None
+        self,
+        engine: Engine,
+        on_logits: LogitsHook | None = None,
+        max_batch: int | None = None,
+        compiled: bool | None = None,
     ):
         """`max_batch`, if known, reserves that many rows up front (growing the KV buffers later
-        copies every row)."""
+        copies every row). `compiled`: steps of two or more rows run as one compiled function
+        (ring_worker/compiled_step.py); by default where the rows kernels run (CUDA), and
+        possible wherever every layer has rows attention."""
         if not batch_decode_supported(engine):
             raise ValueError(f"{type(engine).__name__} with this KV layout cannot batch decode")
         self.engine = engine
@@ -126,6 +133,8 @@ class BatchDecoder:
         self.fused_rows = install_rows_attention(engine.model)  # CUDA: mixed lengths unmasked
         if self.fused_rows:
             fuse_layers(engine.model)  # and fewer matmuls a step (ring_worker/fused_linears.py)
+        compiling = self.fused_rows if compiled is None else compiled
+        self.compiled = CompiledStep(engine.model) if compiling else None
         self._slots = max_batch or 1
         self.cache = BatchCache(len(engine.model.layers), self._slots)
         self._rows: list[_Sequence] = []  # in cache row order
@@ -198,8 +207,11 @@ class BatchDecoder:
     def _queue_step(self) -> mx.array:
         """The forward pass of every row on its pending token, and the step's vote (lazy)."""
         assert self._vote is not None
-        inputs = self._vote[0][:, None]
-        logits = self.engine.model(inputs, cache=self.cache.layers)[:, -1].astype(mx.float32)
+        if self.compiled is not None and len(self._rows) > 1:
+            logits = self.compiled(self.cache, self._vote[0])
+        else:  # one row: mlx-lm's own step (its gemv), as one at a time runs it
+            inputs = self._vote[0][:, None]
+            logits = self.engine.model(inputs, cache=self.cache.layers)[:, -1].astype(mx.float32)
         if self.on_logits is not None:
             self.on_logits([s.request.key for s in self._rows], logits)
         vote = self._vote_rows(self._rows, logits)

@@ -291,6 +291,14 @@ def split_count(blocks: int, longest: int) -> int:
     return splits
 
 
+def split_bucket(longest: int) -> int:
+    """The largest power of two at most `longest` (at least 1). `split_count` gives it the
+    split count it gives `longest`, since its thresholds (MIN_SPLIT_KEYS * 2 * splits keys) are
+    powers of two: a compiled step (ring_worker/compiled_step.py) traces once per bucket, not
+    once per length."""
+    return 1 << (max(longest, 1).bit_length() - 1)
+
+
 def kernel_attention(
     queries: mx.array,
     keys: mx.array,

@@ -39,8 +39,11 @@ SCHEDULE = (
 )
 
 
-def run_schedule(engine: Engine) -> tuple[dict[str, list[mx.array]], list[SequenceResult]]:
-    """Every sequence's logits at each of its decode steps (evaluated), and the results."""
+def run_schedule(
+    engine: Engine, compiled: bool | None = None
+) -> tuple[dict[str, list[mx.array]], list[SequenceResult]]:
+    """Every sequence's logits at each of its decode steps (evaluated), and the results;
+    `compiled` as BatchDecoder takes it."""
     seen: dict[str, list[mx.array]] = {}
 
     def record(keys: list[str], logits: mx.array) -> None:
@@ -48,7 +51,7 @@ def run_schedule(engine: Engine) -> tuple[dict[str, list[mx.array]], list[Sequen
         for row, key in enumerate(keys):
             seen.setdefault(key, []).append(logits[row])
 
-    decoder = BatchDecoder(engine, on_logits=record)
+    decoder = BatchDecoder(engine, on_logits=record, compiled=compiled)
     results: list[SequenceResult] = []
     step = 0
     while step <= max(e.join_step for e in SCHEDULE) or decoder.busy:

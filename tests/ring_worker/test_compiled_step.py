@@ -1,0 +1,91 @@
+"""A decode batch's step compiled (ring_worker/compiled_step.py), on the CPU with the rows
+attention routed to `reference_attention` and the linears fused, as on CUDA: each sequence's
+logits stay within 1e-4 (float32) of it alone through plain mlx-lm over the fidelity schedule
+(joins at different steps and lengths, a leave, a short row joining a long one, buffers
+growing), the buffers are written in place, and a trace serves many steps."""
+
+import mlx.core as mx
+import pytest
+
+from ring_worker.batch_decode import BatchDecoder
+from ring_worker.compiled_step import CompiledStep
+from ring_worker.engine import Engine
+from ring_worker.fused_linears import fuse_layers
+from ring_worker.rows_attention import (
+    install_rows_attention,
+    reference_attention,
+    split_bucket,
+    split_count,
+)
+from tests.ring_worker.batch_rank import run_schedule
+from tests.ring_worker.test_batch_decode import check_against_alone, request
+from tests.ring_worker.tiny import load_tiny, save_tiny
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_model_dir(request, tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp(request.param), request.param, layers=2)
+
+
+def routed_engine(model_dir) -> Engine:
+    model = load_tiny(model_dir)
+    assert install_rows_attention(model, attend=reference_attention)
+    assert fuse_layers(model)
+    return Engine(model)
+
+
+def test_a_compiled_batch_matches_each_sequence_alone(tiny_model_dir, monkeypatch):
+    traced: list[CompiledStep] = []
+    step_call = CompiledStep.__call__
+
+    def counted(self, cache, tokens):
+        traced.append(self)
+        return step_call(self, cache, tokens)
+
+    monkeypatch.setattr(CompiledStep, "__call__", counted)
+    seen, results = run_schedule(routed_engine(tiny_model_dir), compiled=True)
+    check_against_alone(tiny_model_dir, seen, {r.key: r.tokens for r in results})
+    assert len(traced) > 30  # the schedule's steps of several rows ran compiled
+    assert traced[0].traces < len(traced) / 4, traced[0].traces  # and few retraced
+
+
+def test_a_join_or_leave_does_not_retrace(tiny_model_dir):
+    """Slots double and stay: rows joining and leaving inside them step on the same trace."""
+    engine = routed_engine(tiny_model_dir)
+    decoder = BatchDecoder(engine, max_batch=4, compiled=True)
+    assert decoder.compiled is not None
+    for key, length in (("a", 20), ("b", 30)):
+        decoder.add(*request(engine, key, length, 12))
+    decoder.step()
+    decoder.step()
+    before = decoder.compiled.traces
+    decoder.add(*request(engine, "c", 25, 3))  # joins (3 rows in 4 slots), leaves after 3
+    for _ in range(6):
+        decoder.step()
+    assert decoder.compiled.traces == before
+    assert len(decoder.members) == 2
+
+
+def test_a_compiled_step_writes_the_buffers_in_place(tiny_model_dir):
+    """The step's K/V go into the batch's buffers without a copy of them (a copy of every
+    layer's buffers a step would hold twice their memory)."""
+    engine = routed_engine(tiny_model_dir)
+    decoder = BatchDecoder(engine, max_batch=2, compiled=True)
+    for key, length in (("a", 700), ("b", 900)):
+        decoder.add(*request(engine, key, length, 40))
+    decoder.step()
+    mx.eval(decoder.cache.state())
+    buffer_bytes = sum(a.nbytes for a in decoder.cache.state())
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()
+    for _ in range(20):
+        decoder.step()
+    mx.eval(decoder.cache.state())
+    assert mx.get_peak_memory() - held < buffer_bytes / 2
+
+
+@pytest.mark.parametrize("blocks", [1, 8, 64, 512])
+def test_a_split_bucket_splits_as_its_length_does(blocks):
+    for longest in range(1, 70_000, 37):
+        assert split_count(blocks, split_bucket(longest)) == split_count(blocks, longest)
+        assert split_bucket(longest) <= longest < 2 * split_bucket(longest)
