@@ -15,6 +15,7 @@
 #   bash bench/results/h200-service/run.sh resume      # a ~128K prefill killed late: resumed vs restarted
 #   bash bench/results/h200-service/run.sh prefill-batch  # short documents prefilled together or one by one
 #   bash bench/results/h200-service/run.sh overlap     # a joiner's prefill beside the batch's steps (second stream; layer slices)
+#   bash bench/results/h200-service/run.sh compiled    # compiled decode steps against op by op: logits, step times
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -128,6 +129,12 @@ PY
             --out "$out/overlap-probe-rows-$rows${OVERLAP_TAG:-}-steps-$steps.json" 2>&1 \
             | grep -E "step_ms|saved_s|max_abs_logit_diff|rror"
         done
+      done
+      ;;
+    compiled)  # CHECK_ROWS: batch sizes to check
+      for rows in ${CHECK_ROWS:-2 8 24}; do
+        timeout 150 python3 -m bench.compiled_step_check --model $model --rows $rows \
+          --out "$out/compiled-step-check-rows-$rows${CHECK_TAG:-}.json" 2>&1 | tail -3
       done
       ;;
     resume)
