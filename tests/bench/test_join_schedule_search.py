@@ -1,38 +1,35 @@
-"""bench.join_schedule_search replays a schedule as bench.join_budget_sim's group runs it: the
-join budget's own joins, replayed, give the budget's outcome; and a search never returns a
-schedule worse than where it started."""
+"""bench.join_schedule_search's cell: a schedule's ends and step time worked out by hand, and a
+search that never returns a schedule worse than where it started."""
 
-from bench.join_budget_sim import H200_SERVICE_STEPS, simulate
-from bench.join_schedule_search import (
-    JOBS,
-    MAX_BATCH,
-    MAX_TOKENS,
-    PREFILL_S,
-    run_schedule,
-    score,
-    search,
-)
+import pytest
 
-
-def test_the_rules_joins_replayed_give_the_rules_outcome():
-    joins: list[float] = []
-    rule = simulate(JOBS, PREFILL_S, H200_SERVICE_STEPS, MAX_TOKENS, MAX_BATCH, 1.5,
-                    oracle=True, joins=joins)  # fmt: skip
-    assert len(joins) == JOBS and joins == sorted(joins)
-    assert run_schedule(joins, digits=2) == rule
+from bench.join_budget_sim import H200_SERVICE_STEPS
+from bench.join_schedule_search import JOBS, MAX_TOKENS, PREFILL_S, Cell, anneal
 
 
 def test_job_0_alone_then_the_rest_ends_when_the_flood_does():
-    """Job 0 alone: 0.12 s + 256 x 7.0 ms; then 31 prefills and 256 steps at 32 rows (19 ms)."""
+    """Job 0 alone: 0.12 s + 256 x 7.0 ms; then 31 prefills and 256 steps of 31 rows."""
+    cell = Cell(H200_SERVICE_STEPS)
+    stepped_s, ends = cell.run([0] + [MAX_TOKENS] * (JOBS - 1))
     alone = PREFILL_S + MAX_TOKENS * H200_SERVICE_STEPS(1)
-    found = run_schedule([0.0] + [alone] * (JOBS - 1))
-    flood_s = (JOBS - 1) * PREFILL_S + MAX_TOKENS * H200_SERVICE_STEPS(JOBS - 1)
-    assert abs(found["makespan_s"] - (alone + flood_s)) < 0.05
+    flood = (JOBS - 1) * PREFILL_S + MAX_TOKENS * H200_SERVICE_STEPS(JOBS - 1)
+    assert ends[0] == pytest.approx(alone)
+    assert list(ends[1:]) == pytest.approx([alone + flood] * (JOBS - 1))
+    assert stepped_s == pytest.approx(MAX_TOKENS * (H200_SERVICE_STEPS(1) + H200_SERVICE_STEPS(31)))
+
+
+def test_all_at_once_decodes_as_the_widest_step_does():
+    cell = Cell(H200_SERVICE_STEPS)
+    found = cell.outcome([0] * JOBS)
+    widest = JOBS * H200_SERVICE_STEPS(1) / H200_SERVICE_STEPS(JOBS)
+    assert found["decode_x"] == pytest.approx(widest, abs=0.01)
+    one_at_a_time_first = PREFILL_S + MAX_TOKENS * H200_SERVICE_STEPS(1)
+    first_end = JOBS * PREFILL_S + MAX_TOKENS * H200_SERVICE_STEPS(JOBS)
+    assert found["worst_latency_x"] == pytest.approx(first_end / one_at_a_time_first, abs=0.001)
 
 
 def test_a_search_keeps_its_start_or_better():
-    alone = PREFILL_S + MAX_TOKENS * H200_SERVICE_STEPS(1)
-    start = [0.0] + [alone] * (JOBS - 1)
-    best, found = search(1.5, start, moves=100, seed=0)
-    assert best == sorted(best)
-    assert score(found, 1.5) >= score(run_schedule(start), 1.5)
+    cell = Cell(H200_SERVICE_STEPS)
+    start = [0] + [MAX_TOKENS] * (JOBS - 1)
+    best = anneal(cell, 1.5, start, moves=300, seed=0)
+    assert cell.score(best, 1.5) <= cell.score(start, 1.5)
