@@ -296,7 +296,10 @@ class BatchServer:
         free = max(0, self.max_batch - len(self.members))
         waiting = [self.waiting_job(io) for io in handed[:free]]
         admitted = self.budget.admit(time.time(), self.decoder.remaining(), waiting)
-        if admitted:
+        if admitted and not self.members:
+            log.info("group %s: %d job(s) join an empty batch, from %s", self.ctx.group.group_id,
+                     admitted, waiting[0].job_id)  # fmt: skip
+        elif admitted:
             budget = self.budget
             log.info("group %s: %d job(s) join, from %s; the tightest member, %s, would finish "
                      "%.2fs inside its deadline, %.2fs after its submission (%.1fx its time one "
