@@ -27,6 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ring_worker.batch_cache import BatchCache, Rows, SlotCache
+from ring_worker.fused_linears import mlx_lm_attention
+from ring_worker.ring_attention import project_qkv
 from ring_worker.rows_attention import RowsAttention, split_bucket
 
 
@@ -75,12 +77,16 @@ class _TracedSlotCache(SlotCache):
 class CompiledStep:
     """Steps a BatchCache's every slot through `model` by one token, compiled."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, split: bool = True):
         if not all(isinstance(layer.self_attn, RowsAttention) for layer in model.layers):
             raise ValueError("a compiled step needs rows attention on every layer")
         self.model = model
+        self.split = split
         self.traces = 0  # how often the function was traced (its Python runs only then)
         self._forward = mx.compile(self._trace)
+        self._before = mx.compile(self._before_store)
+        self._after = mx.compile(self._after_store)
+        self._head = mx.compile(self._logits)
 
     def __call__(self, cache: BatchCache, tokens: mx.array) -> mx.array:
         """Float32 logits (rows, vocab) of the rows' next tokens; every layer's K/V stored."""
@@ -95,6 +101,8 @@ class CompiledStep:
         offsets = mx.array(lengths)
         starts = mx.array([column - n for n in lengths], dtype=mx.int32)
         visible = mx.array([n + 1 for n in lengths], dtype=mx.int32)
+        if self.split:
+            return self._split_step(cache, inputs, offsets, starts, visible)[: len(rows)]
         buffers = [buffer for layer in layers for buffer in layer.state]
         logits, buffers = self._forward(
             inputs, mx.array([column]), offsets, starts, visible, buffers,
@@ -123,3 +131,46 @@ class CompiledStep:
         logits = self.model(inputs, cache=caches)[:, -1].astype(mx.float32)
         stored: list[Any] = [buffer for cache in caches for buffer in cache.state]
         return logits, stored
+
+    def _split_step(
+        self, cache: BatchCache, inputs: mx.array, offsets: mx.array, starts: mx.array,
+        visible: mx.array,
+    ) -> mx.array:  # fmt: skip
+        """Each layer as two compiled calls around an eager store (a static slice update)."""
+        column, longest = cache.rows.end, split_bucket(cache.rows.longest + 1)
+        h = self.model.model.embed_tokens(inputs)
+        for index, layer in enumerate(cache.layers):
+            q, k, v = self._before(h, offsets, index)
+            assert layer.keys is not None and layer.values is not None
+            layer.keys[:, :, column : column + 1] = k
+            layer.values[:, :, column : column + 1] = v
+            h = self._after(h, q, layer.keys, layer.values, starts, visible, index, longest)
+        return self._head(h)
+
+    def _before_store(
+        self, x: mx.array, offsets: mx.array, index: int
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        self.traces += 1
+        layer = self.model.layers[index]
+        q, k, v = project_qkv(mlx_lm_attention(layer.self_attn), layer.input_layernorm(x), offsets)
+        return q, k, v
+
+    def _after_store(
+        self, x: mx.array, q: mx.array, keys: mx.array, values: mx.array, starts: mx.array,
+        visible: mx.array, index: int, longest: int,
+    ) -> mx.array:  # fmt: skip
+        layer = self.model.layers[index]
+        attn = mlx_lm_attention(layer.self_attn)
+        out = layer.self_attn._attend(q, keys, values, starts, visible, longest, attn.scale)
+        out = out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1)
+        h = x + attn.o_proj(out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _logits(self, h: mx.array) -> mx.array:
+        model = self.model
+        out = model.model.norm(h)
+        if model.args.tie_word_embeddings:
+            out = model.model.embed_tokens.as_linear(out)
+        else:
+            out = model.lm_head(out)
+        return out[:, -1].astype(mx.float32)

@@ -16,6 +16,7 @@
 #   bash bench/results/h200-service/run.sh prefill-batch  # short documents prefilled together or one by one
 #   bash bench/results/h200-service/run.sh overlap     # a joiner's prefill beside the batch's steps (second stream; layer slices)
 #   bash bench/results/h200-service/run.sh compiled    # compiled decode steps against op by op: logits, step times
+#   bash bench/results/h200-service/run.sh store       # does a K/V store copy the buffers (eager, dynamic, compiled)
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -135,6 +136,11 @@ PY
       for rows in ${CHECK_ROWS:-2 8 24}; do
         timeout 150 python3 -m bench.compiled_step_check --model $model --rows $rows \
           --out "$out/compiled-step-check-rows-$rows${CHECK_TAG:-}.json" 2>&1 | tail -3
+      done
+      ;;
+    store)
+      for rows in 8 32; do
+        python3 -m bench.store_probe --rows $rows | tee "$out/store-probe-rows-$rows.json"
       done
       ;;
     resume)
