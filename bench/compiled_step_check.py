@@ -33,8 +33,8 @@ def decode(
     engine: Engine, prefills: list[PrefillResult], joiner: PrefillResult, steps: int,
     way: str,
 ) -> dict[str, Any]:  # fmt: skip
-    """Rows 0..n-1 decode; row 0 leaves at steps // 2, when `joiner` joins. `way`: "eager",
-    "compiled" (one function a step) or "split" (two a layer, around an eager store)."""
+    """Rows 0..n-1 decode; row 0 leaves at steps // 2, when `joiner` joins. `way`: "eager" or
+    "compiled"."""
     logits: dict[str, list[mx.array]] = {}
 
     def record(keys: list[str], step_logits: mx.array) -> None:
@@ -42,8 +42,6 @@ def decode(
             logits.setdefault(key, []).append(step_logits[row])
 
     decoder = BatchDecoder(engine, on_logits=record, compiled=way != "eager")
-    if decoder.compiled is not None:
-        decoder.compiled.split = way == "split"
     for row, prefill in enumerate(prefills):
         decoder.add(DecodeRequest(str(row), steps // 2 if row == 0 else steps), prefill)
     ends, tokens = [], {}
@@ -58,7 +56,7 @@ def decode(
     return {"logits": logits, "tokens": tokens, "step_s": step_s}
 
 
-WAYS = ("compiled", "split")
+WAYS = ("compiled",)  # against eager (a third, "split", ran while "compiled" was one function)
 
 
 def worst_difference(run: dict[str, Any], eager: dict[str, Any]) -> float:
@@ -89,7 +87,7 @@ def main(model: str, rows: int, prompt_tokens: int, steps: int, rounds: int, out
     document = load_tokenizer(path).encode(files("cli").joinpath("demo/document.md").read_text())
     prompts = make_prompts(document, rows + 1, prompt_tokens, equal=False)
     prefills = [engine.prefill(p, prompt_tokens) for p in prompts]
-    timed: dict[str, list[float]] = {"compiled": [], "split": [], "eager": []}
+    timed: dict[str, list[float]] = {"compiled": [], "eager": []}
     runs = {}
     for _ in range(rounds):
         for name in timed:
