@@ -46,6 +46,12 @@ def measured(points: dict[int, float]) -> Callable[[int], float]:
 # rows from the defaults batch's rank log), and that group's warm-up times (rows of 8-24 tokens).
 H200_SERVICE_STEPS = measured({1: 0.0070, 2: 0.0109, 4: 0.0139, 8: 0.0134, 16: 0.0155, 32: 0.019})
 H200_SERVICE_WARM_UP = {1: 0.0043, 2: 0.00985, 4: 0.00816}
+# The same with compiled steps (ring_worker/compiled_step.py): the join budget's step table at the
+# end of the bounded H200 run at 8b7d522 (its group's medians of recent steps, start to start).
+H200_COMPILED_STEPS = measured(
+    {1: 0.0064, 2: 0.0082, 3: 0.0101, 4: 0.0127, 5: 0.0123, 6: 0.0118, 7: 0.0120, 8: 0.0114,
+     12: 0.0114, 16: 0.0121, 20: 0.0128, 24: 0.0128, 30: 0.0135}
+)  # fmt: skip
 
 NOISE, NOISY_SEEDS = 0.15, 5  # lognormal sigma of a step's time; seeds run
 
@@ -135,9 +141,10 @@ def main() -> None:
             found = simulate(jobs, prefill_s, step_s, max_tokens, max_batch, slowdown, warm_up)
             print(json.dumps({"cell": name, "jobs": jobs, "max_slowdown": slowdown, **found}))
     for slowdown in (1.5, 2.0, 3.0):  # the same rule told every time up front: its own limit
-        found = simulate(32, 0.12, H200_SERVICE_STEPS, 256, 32, slowdown, oracle=True)
-        print(json.dumps({"cell": "h200-8b-service", "oracle": True, "max_slowdown": slowdown,
-                          **found}))  # fmt: skip
+        for cell, steps in (("h200-8b-service", H200_SERVICE_STEPS),
+                            ("h200-8b-service-compiled", H200_COMPILED_STEPS)):  # fmt: skip
+            found = simulate(32, 0.12, steps, 256, 32, slowdown, oracle=True)
+            print(json.dumps({"cell": cell, "oracle": True, "max_slowdown": slowdown, **found}))
     for seed in range(NOISY_SEEDS):  # the service cell with steps that vary as they do on a host
         found = simulate(32, 0.12, H200_SERVICE_STEPS, 256, 32, 1.5, H200_SERVICE_WARM_UP,
                          noise=NOISE, seed=seed)  # fmt: skip

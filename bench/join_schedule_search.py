@@ -16,10 +16,12 @@ from one on, by 1-100 steps; a job over the bound costs its overshoot in the sco
 from the best schedule found before ("job 0 alone, job 1 at step 110, job 2 at 159, job 3 at
 315, the rest at 366") and from "job 0 alone, then the rest at once". Seeded: the same command
 prints the same lines. `--scale` multiplies the steps of two or more rows (a cheaper step
-there), to see what the goal (>= 8x decode, no job over 1.5x) needs.
+there), to see what the goal (>= 8x decode, no job over 1.5x) needs; `--curve compiled` takes
+the steps the service measured with compiled steps (bench.join_budget_sim H200_COMPILED_STEPS).
 
     uv run python -m bench.join_schedule_search                 # bounds 1.5, 2 and 3
     uv run python -m bench.join_schedule_search --bounds 1.5 --scale 1,0.9,0.8
+    uv run python -m bench.join_schedule_search --bounds 1.5 --curve compiled
 """
 
 import json
@@ -30,7 +32,7 @@ from collections.abc import Callable
 import click
 import numpy as np
 
-from bench.join_budget_sim import H200_SERVICE_STEPS, simulate
+from bench.join_budget_sim import H200_COMPILED_STEPS, H200_SERVICE_STEPS, simulate
 
 JOBS, PREFILL_S, MAX_TOKENS = 32, 0.12, 256
 FOUND = [0, 110, 159, 315] + [366] * (JOBS - 4)  # the best at bound 1.5, scale 1
@@ -88,20 +90,25 @@ def anneal(cell: Cell, bound: float, start: list[int], moves: int, seed: int) ->
     return best
 
 
-def scaled(factor: float) -> Callable[[int], float]:
-    return lambda n: H200_SERVICE_STEPS(n) * (factor if n > 1 else 1.0)
+CURVES = {"service": H200_SERVICE_STEPS, "compiled": H200_COMPILED_STEPS}
+
+
+def scaled(curve: str, factor: float) -> Callable[[int], float]:
+    return lambda n: CURVES[curve](n) * (factor if n > 1 else 1.0)
 
 
 @click.command()
 @click.option("--bounds", default="1.5,2,3", show_default=True)
 @click.option("--scale", default="1", show_default=True, help="factors for steps of 2+ rows")
+@click.option("--curve", type=click.Choice(sorted(CURVES)), default="service", show_default=True)
 @click.option("--moves", default=100_000, show_default=True)
 @click.option("--seeds", default=2, show_default=True)
-def main(bounds: str, scale: str, moves: int, seeds: int) -> None:
+def main(bounds: str, scale: str, curve: str, moves: int, seeds: int) -> None:
     for factor in (float(f) for f in scale.split(",")):
-        cell = Cell(scaled(factor))
+        steps = scaled(curve, factor)
+        cell = Cell(steps)
         for bound in (float(b) for b in bounds.split(",")):
-            rule = simulate(JOBS, PREFILL_S, scaled(factor), MAX_TOKENS, JOBS, bound, oracle=True)
+            rule = simulate(JOBS, PREFILL_S, steps, MAX_TOKENS, JOBS, bound, oracle=True)
             line = {"scale": factor, "bound": bound, "the rule (told every time)": rule}
             print(json.dumps(line), flush=True)
             flood = [0] + [MAX_TOKENS] * (JOBS - 1)
