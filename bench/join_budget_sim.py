@@ -11,7 +11,8 @@ service's mixed-length steps are slower, host-bound), 256 tokens; and `h200-8b-s
 service's own steps (H200_SERVICE_STEPS: a second row of another length +56 %) with its group's
 warm-up times as the budget's start, also with each step's time drawn noisy (NOISE), and with
 the budget told every step time before the first job (`oracle`: what the rule itself can reach,
-learning aside). The group
+learning aside); the oracle and noisy cells run with the budget's lookahead
+(ring_worker/join_lookahead.py) off and on. The group
 learns its times as the service's does (JoinBudget.times: every step and prefill it runs). One at
 a time is the sum of each job's prefill and one-row steps, in queue order. Prints one line per
 cell.
@@ -76,13 +77,14 @@ def simulate(
     seed: int = 0,
     oracle: bool = False,
     joins: list[float] | None = None,
+    lookahead: bool = False,
 ) -> dict:
     """`noise`: each step's time is its modelled one times a draw from a lognormal of this
     sigma (seeded), as a shared host's steps vary. `oracle`: the budget knows every row count's
     step and the prefill before the first job (no learning, no estimates from above). `joins`,
     if given, gets the time each job started its prefill, in queue order."""
     draw = random.Random(seed)
-    budget = JoinBudget(slowdown, warm_up)
+    budget = JoinBudget(slowdown, warm_up, lookahead=lookahead)
     if oracle:
         for rows in range(1, max_batch + 1):
             for _ in range(RECENT_STEPS):
@@ -143,12 +145,17 @@ def main() -> None:
     for slowdown in (1.5, 2.0, 3.0):  # the same rule told every time up front: its own limit
         for cell, steps in (("h200-8b-service", H200_SERVICE_STEPS),
                             ("h200-8b-service-compiled", H200_COMPILED_STEPS)):  # fmt: skip
-            found = simulate(32, 0.12, steps, 256, 32, slowdown, oracle=True)
-            print(json.dumps({"cell": cell, "oracle": True, "max_slowdown": slowdown, **found}))
+            for lookahead in (False, True):  # the greedy rule, and with its lookahead
+                found = simulate(32, 0.12, steps, 256, 32, slowdown, oracle=True,
+                                 lookahead=lookahead)  # fmt: skip
+                print(json.dumps({"cell": cell, "oracle": True, "lookahead": lookahead,
+                                  "max_slowdown": slowdown, **found}))  # fmt: skip
     for seed in range(NOISY_SEEDS):  # the service cell with steps that vary as they do on a host
-        found = simulate(32, 0.12, H200_SERVICE_STEPS, 256, 32, 1.5, H200_SERVICE_WARM_UP,
-                         noise=NOISE, seed=seed)  # fmt: skip
-        print(json.dumps({"cell": "h200-8b-service", "noise": NOISE, "seed": seed, **found}))
+        for lookahead in (False, True):
+            found = simulate(32, 0.12, H200_SERVICE_STEPS, 256, 32, 1.5, H200_SERVICE_WARM_UP,
+                             noise=NOISE, seed=seed, lookahead=lookahead)  # fmt: skip
+            print(json.dumps({"cell": "h200-8b-service", "noise": NOISE, "seed": seed,
+                              "lookahead": lookahead, **found}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from ring_worker.join_lookahead import HOLD_STEPS, Plan, Queued, join_now
+
 AVERAGE_WEIGHT = 0.2  # of each new prefill sample in an exponential average
 RECENT_STEPS = 32  # steps kept per row count: their median is its step time
 SETTLED_STEPS = 16  # step samples before deadlines are fixed (until then, recomputed each time)
@@ -172,11 +174,14 @@ class JoinBudget:
         self,
         slowdown: float | None,
         step_s: dict[int, float] | None = None,
+        lookahead: bool = False,
     ):
         """`slowdown` None: no bound (every waiting job is admitted). `step_s`: seconds per step
         by row count measured before the group's first job (its GPU warm-up, on short rows): its
         ratios to one row bound the estimates from below (GroupTimes.step); they count as no
-        step seen, so deadlines still settle on the group's own."""
+        step seen, so deadlines still settle on the group's own. `lookahead`: weigh each
+        first join of a turn against holding it (ring_worker/join_lookahead.py); off in the
+        service (see that module: it has only helped where every time was known up front)."""
         if slowdown is not None and slowdown < 1:
             raise ValueError(f"slowdown must be at least 1, got {slowdown}")
         self.slowdown = slowdown
@@ -188,6 +193,8 @@ class JoinBudget:
         self.submitted: dict[str, float] = {}  # of the jobs with deadlines
         self.slack_s, self.tightest = math.inf, ""  # the last admitted join's (_slack_s)
         self.planned_step_s = 0.0  # the step time that join was planned at (its row count)
+        self.lookahead = lookahead
+        self.held_until = -math.inf  # the lookahead held the head of the queue until then
 
     def arrive(self, job: Waiting, prefill_s: float | None = None) -> None:
         """The group sees the job for the first time (`prefill_s`: its measured prefill, where
@@ -226,6 +233,8 @@ class JoinBudget:
             slack_s, tightest = self._slack_s(now, members, job_stall_s)
             if slack_s < 0:
                 break
+            if self.lookahead and not admitted and not self._join_now(now, members, waiting):
+                break
             self.slack_s, self.tightest = slack_s, tightest
             self.planned_step_s = self.times.step(len(members) + 1)
             members[job.job_id] = job.max_tokens
@@ -233,6 +242,20 @@ class JoinBudget:
             if not self.times.known(len(members)):
                 break  # one join at a time to a row count not measured yet
         return admitted
+
+    def _join_now(self, now: float, members: dict[str, int], waiting: list[Waiting]) -> bool:
+        """The lookahead (ring_worker/join_lookahead.py): whether the head of the queue, which
+        fits now, should join now rather than HOLD_STEPS later; a hold is weighed again after
+        half of that."""
+        if now < self.held_until:
+            return False
+        plan = Plan(self.times.step, self.times.prefill,
+                    lambda job_id: self.deadlines.get(job_id, math.inf), PLAN_MARGIN)  # fmt: skip
+        queue = [Queued(job.job_id, job.prompt_tokens, job.max_tokens) for job in waiting]
+        if join_now(plan, now, members, queue):
+            return True
+        self.held_until = now + HOLD_STEPS / 2 * self.times.step(len(members))
+        return False
 
     def _fix_deadlines(self) -> None:
         """Deadlines of the jobs seen since they were last fixed, in the order the group saw
