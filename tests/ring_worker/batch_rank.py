@@ -10,7 +10,9 @@ import mlx.core as mx
 
 from ring_worker.batch_decode import BatchDecoder, DecodeRequest, SequenceResult
 from ring_worker.engine import Engine, RingEngine
+from ring_worker.fused_linears import fuse_layers
 from ring_worker.group import join_group
+from ring_worker.rows_attention import install_rows_attention, reference_attention
 from tests.ring_worker.equivalence_rank import prompt_tokens
 from tests.ring_worker.tiny import load_tiny
 
@@ -65,10 +67,16 @@ def run_schedule(
 
 
 def main() -> None:
+    """argv: model dir, rank, addresses (JSON), out dir, and "compiled" to step through the
+    compiled step (rows attention on MLX ops, linears fused, as on CUDA)."""
     model_dir, rank, addresses, out_dir = sys.argv[1:5]
+    compiled = sys.argv[5:6] == ["compiled"]
     group = join_group(json.loads(addresses), int(rank), Path(out_dir))
     engine = RingEngine(load_tiny(Path(model_dir)), group, exchange="rotate")
-    seen, results = run_schedule(engine)
+    if compiled:
+        install_rows_attention(engine.model, attend=reference_attention)
+        fuse_layers(engine.model)
+    seen, results = run_schedule(engine, compiled=compiled or None)
     mx.savez(
         str(Path(out_dir) / f"logits-rank{rank}.npz"), **{k: mx.stack(v) for k, v in seen.items()}
     )

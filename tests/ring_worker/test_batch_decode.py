@@ -132,8 +132,10 @@ def test_bad_requests_are_refused(tiny_model_dir):
         decoder.add(*request(engine, "twice", 7, 4))
 
 
-def test_ring_replicated_batch_matches_alone(tiny_model_dir, tmp_path):
-    """A real 2-process ring group (rotate prefill, replicated KV) runs the schedule."""
+@pytest.mark.parametrize("steps", ["eager", "compiled"])
+def test_ring_replicated_batch_matches_alone(tiny_model_dir, tmp_path, steps):
+    """A real 2-process ring group (rotate prefill, replicated KV) runs the schedule; "compiled":
+    its steps of several rows through ring_worker/compiled_step.py, as on CUDA."""
     addresses = json.dumps([f"127.0.0.1:{p}" for p in free_loopback_ports(2)])
     procs = [
         spawn_rank(
@@ -144,6 +146,7 @@ def test_ring_replicated_batch_matches_alone(tiny_model_dir, tmp_path):
                 str(r),
                 addresses,
                 str(tmp_path),
+                *(["compiled"] if steps == "compiled" else []),
             ],
             rank_environment(threads=1),
         )
