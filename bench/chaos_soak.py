@@ -107,6 +107,7 @@ class Progress:
     cancel_at: dict[str, int]  # job id -> cancel once this many jobs are final
     reserve: list[tuple[str, JobSpec]] = field(default_factory=list)  # submitted by top_up
     reserve_part: int = 1
+    spares: list[JobSpec] = field(default_factory=list)  # copied when the reserve runs dry early
     faults: list[Fault] = field(default_factory=list)
     open_fault: Fault | None = None
     drawn_kind: str | None = None  # the next fault's kind, kept until a fault of it is injected
@@ -184,11 +185,16 @@ def soak_loop(conn, injector: Injector, config: SoakConfig, progress: Progress) 
 def top_up(conn, config: SoakConfig, progress: Progress) -> None:
     """Submit part of the held-back reserve when the load runs low while faults are still to come
     (so that every fault hits a running load), and all of it once every fault is in."""
-    if not progress.reserve:
-        return
     faults_left = len(progress.faults) < config.faults or progress.open_fault is not None
     if faults_left and len(progress.ids) - progress.final >= LOW_WATER:
         return
+    if not progress.reserve:
+        if not faults_left or not progress.spares:
+            return
+        # Dry with faults to come (the jobs ended faster than the faults recovered: once, a
+        # 20-job soak ended after 3 of its 4): a copy of a held-back job keeps a load to hit.
+        spec = progress.spares[len(progress.ids) % len(progress.spares)]
+        progress.reserve = [(new_job_id(), spec)]
     count = progress.reserve_part if faults_left else len(progress.reserve)
     part, progress.reserve = progress.reserve[:count], progress.reserve[count:]
     try:
@@ -407,6 +413,7 @@ def run_soak(config: SoakConfig, home: Path, env_extra: dict[str, str] | None = 
         cancelled = rng.sample(ids, round(len(ids) * CANCEL_SHARE))
         progress = Progress(ids, {j: rng.randrange(0, max(1, len(ids) // 2)) for j in cancelled})
         progress.reserve = reserve
+        progress.spares = [spec for _, spec in reserve] or [spec for _, spec in load.direct]
         progress.reserve_part = max(1, len(reserve) // max(1, config.faults))
         injector = Injector(conn, home, rng, rank_patience_s=TICK_S)
         soak_loop(conn, injector, config, progress)
