@@ -140,18 +140,13 @@ class SlotCache:
         return self.keys[:count, :, first:end], self.values[:count, :, first:end]
 
     def store(self, keys: mx.array, values: mx.array) -> None:
-        """Write the step's K/V (rows, kv_heads, 1, head_dim) at the rows' common column."""
-        count, at = len(self.rows), self.rows.end
+        """Write the step's K/V (rows, kv_heads, 1, head_dim) at the rows' common column: the
+        batch's rows, or every slot (a compiled step, ring_worker/compiled_step.py)."""
+        count, at = keys.shape[0], self.rows.end
         self._reserve(count, at + 1, keys)
         assert self.keys is not None and self.values is not None
         self.keys[:count, :, at : at + 1] = keys
         self.values[:count, :, at : at + 1] = values
-
-    def reserve_step(self, count: int) -> None:
-        """Room for a step of `count` rows at the rows' common column (what `store` makes
-        before it writes; a compiled step writes inside its trace)."""
-        assert self.keys is not None
-        self._reserve(count, self.rows.end + 1, self.keys)
 
     def put(self, row: int, keys: mx.array, values: mx.array, end: int) -> None:
         """Copy one sequence's K/V ((1, kv_heads, length, head_dim)) into `row`, ending at

@@ -123,9 +123,9 @@ class BatchDecoder:
         compiled: bool | None = None,
     ):
         """`max_batch`, if known, reserves that many rows up front (growing the KV buffers later
-        copies every row). `compiled`: steps of two or more rows run as one compiled function
-        (ring_worker/compiled_step.py); by default where the rows kernels run (CUDA), and
-        possible wherever every layer has rows attention."""
+        copies every row). `compiled`: steps of two or more rows run layer by layer as compiled
+        functions (ring_worker/compiled_step.py); by default where the rows kernels run (CUDA),
+        and possible wherever every layer has rows attention."""
         if not batch_decode_supported(engine):
             raise ValueError(f"{type(engine).__name__} with this KV layout cannot batch decode")
         self.engine = engine

@@ -49,8 +49,6 @@ class CompiledStep:
     def __call__(self, cache: BatchCache, tokens: mx.array) -> mx.array:
         """Float32 logits (rows, vocab) of the rows' next tokens; every layer's K/V stored."""
         rows = cache.rows
-        for layer in cache.layers:
-            layer.reserve_step(len(rows))
         keys = cache.layers[0].keys
         assert keys is not None
         free = keys.shape[0] - len(rows)
@@ -63,9 +61,8 @@ class CompiledStep:
         h = self.model.model.embed_tokens(inputs)
         for index, layer in enumerate(cache.layers):
             q, k, v = self._before(h, offsets, index)
+            layer.store(k, v)  # eager: in place (see above)
             assert layer.keys is not None and layer.values is not None
-            layer.keys[:, :, column : column + 1] = k
-            layer.values[:, :, column : column + 1] = v
             h = self._after(h, q, layer.keys, layer.values, starts, visible, index, longest)
         return self._head(h)[: len(rows)]
 

@@ -43,7 +43,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from ring_worker.join_lookahead import HOLD_STEPS, Plan, Queued, join_now
+from ring_worker.join_lookahead import HOLD_STEPS, Plan, Queued, join_now, tightest
 
 AVERAGE_WEIGHT = 0.2  # of each new prefill sample in an exponential average
 RECENT_STEPS = 32  # steps kept per row count: their median is its step time
@@ -249,10 +249,8 @@ class JoinBudget:
         half of that."""
         if now < self.held_until:
             return False
-        plan = Plan(self.times.step, self.times.prefill,
-                    lambda job_id: self.deadlines.get(job_id, math.inf), PLAN_MARGIN)  # fmt: skip
         queue = [Queued(job.job_id, job.prompt_tokens, job.max_tokens) for job in waiting]
-        if join_now(plan, now, members, queue):
+        if join_now(self._plan(), now, members, queue):
             return True
         self.held_until = now + HOLD_STEPS / 2 * self.times.step(len(members))
         return False
@@ -278,15 +276,12 @@ class JoinBudget:
     ) -> tuple[float, str]:
         """How far inside its deadline the tightest member (named) would finish after one more
         join (its prefill ending `join_stall_s` from now); below 0, it would miss it."""
-        step_s = self.times.step(len(members) + 1)
-        return min(
-            (
-                self.deadlines.get(job_id, math.inf)
-                - (now + PLAN_MARGIN * (join_stall_s + tokens * step_s)),
-                job_id,
-            )
-            for job_id, tokens in members.items()
-        )
+        return tightest(self._plan(), now, members, join_stall_s)
+
+    def _plan(self) -> Plan:
+        """The group's times and deadlines, as the rule and the lookahead read them."""
+        return Plan(self.times.step, self.times.prefill,
+                    lambda job_id: self.deadlines.get(job_id, math.inf), PLAN_MARGIN)  # fmt: skip
 
     def allowed_s(self, job_id: str) -> float:
         """The member's deadline, as seconds after its submission (inf where it has none)."""

@@ -17,10 +17,10 @@ advances in chunks of CHUNK_STEPS steps (a join waits for a chunk's end).
 Measured in bench.join_budget_sim (32 jobs, bound 1.5): told every time up front, 8.17x decode at
 1.47x worst with the compiled step curve (the rule: 6.68x) and 6.51x with the eager one (5.73x).
 Learning its times as the service does, it gained nothing (6.24x against 6.26x; 5.73x against
-5.70x), and with noisy steps it lost 10-20 % (5.0-5.9x against 6.1-6.6x): a rollout takes the
-budget's estimates from above for unseen batch sizes (a flood looks dear) and a noisy median as
-the truth. So the service runs without it (JoinBudget's `lookahead` is off) until it holds up
-with learned times.
+5.70x), and with noisy steps it lost 10-20 % (compiled curve, 5 seeds: 5.0-5.9x against
+6.1-6.6x): a rollout takes the budget's estimates from above for unseen batch sizes (a flood
+looks dear) and a noisy median as the truth. So the service runs without it (JoinBudget's
+`lookahead` is off) until it holds up with learned times.
 """
 
 from collections.abc import Callable
@@ -47,14 +47,20 @@ class Queued:
     max_tokens: int
 
 
-def fits(plan: Plan, now: float, members: dict[str, int], stall_s: float) -> bool:
-    """The greedy rule: after a join whose prefill ends `stall_s` from now, every member still
-    finishes within its deadline, at the step time of one more row."""
+def tightest(plan: Plan, now: float, members: dict[str, int], stall_s: float) -> tuple[float, str]:
+    """The greedy rule's measure: how far inside its deadline the tightest member (named) would
+    finish after one more join (its prefill ending `stall_s` from now), at the step time of one
+    more row; below 0, it would miss it."""
     step_s = plan.step_s(len(members) + 1)
-    return all(
-        now + plan.margin * (stall_s + tokens * step_s) <= plan.deadline(job_id)
+    return min(
+        (plan.deadline(job_id) - (now + plan.margin * (stall_s + tokens * step_s)), job_id)
         for job_id, tokens in members.items()
     )
+
+
+def fits(plan: Plan, now: float, members: dict[str, int], stall_s: float) -> bool:
+    """The greedy rule: after the join every member still finishes within its deadline."""
+    return tightest(plan, now, members, stall_s)[0] >= 0
 
 
 def rollout(
