@@ -128,7 +128,7 @@ def plan_joins(job: Job, cluster: Cluster, settings: Settings) -> list[Join]:
             continue
         if head and not head.leaves_a_slot(group.nodes, cluster.nodes, cluster.held, cpu_limit):
             continue
-        limit = max_batch_for(settings, group.backend)  # as its ranks read it (serve_loop)
+        limit = max_batch_for(settings, group.backend)  # its ranks: group_batch_limit (busy: warm)
         layout = Layout(group.strategy, group.ranks, group.kv_layout)
         # the group's own chunk (what its reservation was planned with); else the smallest
         backend = by_name[group.nodes[0]].backend
