@@ -2,10 +2,8 @@
 on one device: the same prefilled rows of different lengths decode `--steps` greedy tokens both
 ways, with a row leaving and another joining halfway; prints the largest logit difference per
 step, whether the tokens agree, and each way's pipelined step time (medians of alternating
-rounds). Three ways: "compiled" (as the service runs on CUDA), "compiled-cublas" (the same with
-its projections on MLX's matmul, not the rows matmul kernel of ring_worker/rows_matmul.py) and
-"eager" (op by op on MLX's matmul: the reference). The CPU fidelity tests hold float32 to 1e-4;
-this is the check on the GPU, in the model's own dtype.
+rounds). The CPU fidelity tests hold float32 to 1e-4; this is the check on the GPU, in the
+model's own dtype.
 
     python -m bench.compiled_step_check --model random:llama-3.1-8b --rows 8
 """
@@ -29,7 +27,6 @@ from ring_worker.engine import Engine, PrefillResult
 from ring_worker.fused_linears import fuse_layers
 from ring_worker.models import load_for_this_device
 from ring_worker.rows_attention import install_rows_attention, reference_attention
-from ring_worker.rows_matmul import route_to_kernel
 
 
 def decode(
@@ -44,7 +41,6 @@ def decode(
         for row, key in enumerate(keys):
             logits.setdefault(key, []).append(step_logits[row])
 
-    route_to_kernel(way == "compiled")
     decoder = BatchDecoder(engine, on_logits=record, compiled=way != "eager")
     for row, prefill in enumerate(prefills):
         decoder.add(DecodeRequest(str(row), steps // 2 if row == 0 else steps), prefill)
@@ -60,9 +56,7 @@ def decode(
     return {"logits": logits, "tokens": tokens, "step_s": step_s}
 
 
-WAYS = ("compiled", "compiled-cublas")  # against eager; "-cublas": without the rows matmul
-# kernel (ring_worker/rows_matmul.py), as eager runs (a third way, "split", ran while "compiled"
-# was one function)
+WAYS = ("compiled",)  # against eager (a third, "split", ran while "compiled" was one function)
 
 
 def worst_difference(run: dict[str, Any], eager: dict[str, Any]) -> float:
@@ -93,13 +87,12 @@ def main(model: str, rows: int, prompt_tokens: int, steps: int, rounds: int, out
     document = load_tokenizer(path).encode(files("cli").joinpath("demo/document.md").read_text())
     prompts = make_prompts(document, rows + 1, prompt_tokens, equal=False)
     prefills = [engine.prefill(p, prompt_tokens) for p in prompts]
-    timed: dict[str, list[float]] = {way: [] for way in (*WAYS, "eager")}
+    timed: dict[str, list[float]] = {"compiled": [], "eager": []}
     runs = {}
     for _ in range(rounds):
         for name in timed:
             runs[name] = decode(engine, prefills[:rows], prefills[rows], steps, name)
             timed[name].append(runs[name]["step_s"])
-    route_to_kernel(True)
     eager = runs["eager"]
     report: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -32,7 +32,6 @@ from ring_worker.batch_cache import BatchCache
 from ring_worker.fused_linears import mlx_lm_attention
 from ring_worker.ring_attention import project_qkv
 from ring_worker.rows_attention import RowsAttention, split_bucket
-from ring_worker.rows_matmul import linear, rows_linear
 
 
 class CompiledStep:
@@ -85,17 +84,14 @@ class CompiledStep:
         attn = mlx_lm_attention(layer.self_attn)
         out = layer.self_attn._attend(q, keys, values, starts, visible, longest, attn.scale)
         out = out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1)
-        h = x + linear(attn.o_proj, out)
+        h = x + attn.o_proj(out)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def _logits(self, h: mx.array) -> mx.array:
         model = self.model
         out = model.model.norm(h)
-        embed = model.model.embed_tokens
-        if not model.args.tie_word_embeddings:
-            out = linear(model.lm_head, out)
-        elif type(embed) is nn.Embedding:
-            out = rows_linear(out, embed.weight)
+        if model.args.tie_word_embeddings:
+            out = model.model.embed_tokens.as_linear(out)
         else:
-            out = embed.as_linear(out)
+            out = model.lm_head(out)
         return out[:, -1].astype(mx.float32)

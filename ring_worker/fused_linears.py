@@ -25,8 +25,6 @@ import mlx.nn as nn
 from mlx_lm.models import llama, qwen3
 from mlx_lm.models.activations import swiglu
 
-from ring_worker import rows_matmul
-
 QKV = "fused_qkv"  # attribute of an mlx-lm attention module that holds its Fused q/k/v
 MLP_TYPES = (llama.MLP, qwen3.MLP)  # down_proj(swiglu(gate_proj(x), up_proj(x)))
 
@@ -42,7 +40,7 @@ class Fused:
     def __call__(self, x: mx.array, head_dim: int = 0) -> list[mx.array]:
         """The outputs; with `head_dim`, each as (..., heads, head_dim), cut along the heads (a
         view of one contiguous product: no copy for the reshape a split output would need)."""
-        y = rows_matmul.rows_linear(x, self.weight, self.bias)
+        y = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
         if not head_dim:
             bounds = (0, *self.splits, y.shape[-1])
             return [y[..., start:end] for start, end in itertools.pairwise(bounds)]
@@ -96,7 +94,7 @@ class FusedMLP(nn.Module):
         if not runs_fused(x):
             return self.inner(x)
         gate, up = self._gate_up(x)
-        return rows_matmul.linear(self.inner.down_proj, swiglu(gate, up))
+        return self.inner.down_proj(swiglu(gate, up))
 
 
 def fuse_layers(model: nn.Module) -> bool:

@@ -36,7 +36,6 @@ import mlx.nn as nn
 from ring_worker.batch_cache import SlotCache
 from ring_worker.fused_linears import mlx_lm_attention, runs_fused
 from ring_worker.ring_attention import project_qkv
-from ring_worker.rows_matmul import kernels_available, linear
 
 Attend = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array, int, float], mx.array]
 
@@ -245,6 +244,11 @@ COMBINE_SOURCE = """
 """
 
 
+def kernels_available() -> bool:
+    """Whether this process computes on MLX's CUDA backend (the kernels' only home)."""
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
 @cache
 def _partial_kernel():
     return mx.fast.cuda_kernel(
@@ -386,7 +390,7 @@ class RowsAttention(nn.Module):
                 attn.scale,
             )
         out = out.astype(x.dtype).transpose(0, 2, 1, 3)
-        return linear(attn.o_proj, out.reshape(x.shape[0], x.shape[1], -1))
+        return attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
 
 
 def install_rows_attention(model: nn.Module, attend: Attend | None = None) -> bool:

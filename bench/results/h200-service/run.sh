@@ -17,7 +17,6 @@
 #   bash bench/results/h200-service/run.sh overlap     # a joiner's prefill beside the batch's steps (second stream; layer slices)
 #   bash bench/results/h200-service/run.sh compiled    # compiled decode steps against op by op: logits, step times
 #   bash bench/results/h200-service/run.sh store       # does a K/V store copy the buffers (eager, dynamic, compiled)
-#   bash bench/results/h200-service/run.sh rows-matmul # the rows matmul kernel against MLX's matmul, per 8B weight
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -138,10 +137,6 @@ PY
         timeout 150 python3 -m bench.compiled_step_check --model $model --rows $rows \
           --out "$out/compiled-step-check-rows-$rows${CHECK_TAG:-}.json" 2>&1 | tail -3
       done
-      ;;
-    rows-matmul)
-      timeout 200 python3 -m bench.rows_matmul_probe \
-        --out "$out/rows-matmul-probe${PROBE_TAG:-}.json" 2>&1 | tail -40
       ;;
     store)
       for rows in 8 32; do
