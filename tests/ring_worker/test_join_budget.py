@@ -76,13 +76,23 @@ def test_joins_wait_until_the_batch_has_stepped_at_its_size():
     assert found.admit(0.5, {"j0": 7}, [job(1)]) == 1
 
 
-def test_one_join_at_a_time_to_a_row_count_not_measured():
-    """With every deadline far off, joins to counts already measured go together; the first
-    one to a count not measured ends the turn."""
+def test_joins_go_together_to_row_counts_not_measured_while_the_estimate_fits():
+    """With every deadline far off, all five join at once (to 2-6 rows; 5 and 6 not measured).
+    At 6 rows, not measured, nobody joins until the batch has stepped there."""
     found = budget(slowdown=100.0)
     found.arrive(job(0), prefill_s=1.0)
-    assert found.admit(1.2, {"j0": 8}, [job(n) for n in range(1, 6)]) == 4  # to 2, 3, 4, 5 rows
-    assert found.admit(1.2, {"j0": 8, "j1": 8, "j2": 8, "j3": 8, "j4": 8}, [job(5)]) == 0
+    assert found.admit(1.2, {"j0": 8}, [job(n) for n in range(1, 6)]) == 5
+    members = {f"j{n}": 8 for n in range(6)}
+    assert found.admit(6.2, members, [job(6)]) == 0
+
+
+def test_a_join_of_many_stops_at_the_first_that_would_make_a_member_late():
+    """j0 (deadline 3 s with slowdown 1.5; here 6 s with 3) ends at 1.2 + 1.1 x (n x 1 s of
+    prefill + 8 steps at n + 1 rows): 1 joiner -> 3.27 s, 2 -> 4.46 s, 3 -> 5.66 s, 4 -> 6.9 s.
+    Three join together."""
+    found = budget(slowdown=3.0)
+    found.arrive(job(0), prefill_s=1.0)
+    assert found.admit(1.2, {"j0": 8}, [job(n) for n in range(1, 6)]) == 3
 
 
 def test_a_member_already_late_holds_joins_back():
