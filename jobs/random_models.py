@@ -88,12 +88,18 @@ def parameter_count(config: dict[str, Any]) -> int:
 
 
 def byte_tokenizer(name: str) -> Any:
-    """A transformers fast tokenizer over the 256 byte symbols (GPT-2's byte-level alphabet)."""
+    """A transformers fast tokenizer over the 256 byte symbols (GPT-2's byte-level alphabet),
+    which is how text is encoded, and a word for every other id of the model's vocabulary (id
+    300 decodes to " w300"), so that what a random model generates decodes to text that two runs
+    can compare (with bytes only, every id past 255 decoded to nothing, and so did nearly every
+    answer of a 128K-vocabulary model). No merges: encoding never yields the words."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
+    words = range(len(vocab), (preset_config(name) or {}).get("vocab_size", 0))
+    vocab.update({f"\u0120w{index}": index for index in words})  # U+0120: byte-level " "
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -261,6 +261,14 @@ def test_random_models_have_a_byte_tokenizer_without_eos():
     assert tokenizer.eos_token_ids == frozenset()
 
 
+def test_random_models_decode_every_id_of_their_vocabulary_to_text():
+    """Ids past the 256 bytes are words, so a random model's answers can be compared as text;
+    encoding still yields bytes only (no merges)."""
+    tokenizer = load_tokenizer(resolve_model("random:tiny-llama", allowed_dirs=None))  # 512 ids
+    assert tokenizer.decode([300, 511]) == " w300 w511"
+    assert max(tokenizer.encode("w300 w511")) < 256
+
+
 def test_unknown_random_preset_lists_the_presets():
     with pytest.raises(UnknownModelError, match="presets: random:llama-3.1-8b"):
         resolve_model("random:gpt-5", allowed_dirs=None)
