@@ -17,14 +17,9 @@ from ring_worker.group import free_loopback_ports
 from ring_worker.processes import rank_environment, spawn_rank, wait_all
 from tests.ring_worker.batch_rank import CHUNK_TOKENS, SCHEDULE, run_schedule
 from tests.ring_worker.equivalence_rank import prompt_tokens
-from tests.ring_worker.tiny import load_tiny, save_tiny
+from tests.ring_worker.tiny import load_tiny
 
 LOGITS_ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def tiny_model_dir(request, tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp(request.param), request.param, layers=2)
 
 
 @functools.cache

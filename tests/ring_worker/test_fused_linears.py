@@ -7,7 +7,6 @@ import gc
 
 import mlx.core as mx
 import mlx.nn as nn
-import pytest
 from mlx.utils import tree_flatten
 
 from ring_worker import fused_linears
@@ -16,12 +15,7 @@ from ring_worker.fused_linears import FusedMLP, fuse, fuse_layers
 from ring_worker.rows_attention import install_rows_attention, reference_attention
 from tests.ring_worker.batch_rank import run_schedule
 from tests.ring_worker.test_batch_decode import check_against_alone
-from tests.ring_worker.tiny import load_tiny, save_tiny
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def tiny_model_dir(request, tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp(request.param), request.param, layers=2)
+from tests.ring_worker.tiny import load_tiny
 
 
 def test_a_fused_batch_matches_each_sequence_alone(tiny_model_dir, monkeypatch):

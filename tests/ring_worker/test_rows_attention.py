@@ -20,12 +20,7 @@ from ring_worker.rows_attention import (
 )
 from tests.ring_worker.batch_rank import run_schedule
 from tests.ring_worker.test_batch_decode import check_against_alone
-from tests.ring_worker.tiny import load_tiny, save_tiny
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def tiny_model_dir(request, tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp(request.param), request.param, layers=2)
+from tests.ring_worker.tiny import load_tiny
 
 
 def test_the_routed_path_matches_each_sequence_alone(tiny_model_dir):
