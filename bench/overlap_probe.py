@@ -14,14 +14,7 @@ default one meanwhile, against the two one after the other, in alternating round
 
 `saved_s` is steps + prefill - overlapped (the median round's), and the JSON says whether the
 overlapped prefill's last logits equal the serial one's (max abs difference). Nothing in the
-service does this: it measured that it would not pay (bench/results/batch-decode.md).
-
-`--ride-chunks`: the joiner's prefill riding on the batch's steps instead, in chunks of each
-size (ring_worker/ride_step.py: one matmul per projection for the rows and the chunk), then the
-same --steps steps. The members decode a token on each chunk, so what the ride costs them is
-`ride_s - (steps + chunks) x step`; `ride_cost_share` is that over the serial prefill's time.
-Beside each: `chunked_C_s`, the joiner's plain prefill in the same chunks, and `ride_build_C_s`,
-the host time to build and launch one ride step with the device idle.
+service does this yet: this measures whether it would pay.
 
     bash bench/results/h200-service/run.sh overlap   # the H200: 2, 8 and 24 rows of ~4K tokens
 """
@@ -47,7 +40,6 @@ from bench.batch_decode import backend_name, reexec_with_openblas
 @click.option("--steps", default=16, show_default=True)
 @click.option("--rounds", default=5, show_default=True)
 @click.option("--chunk-tokens", default=16384, show_default=True)
-@click.option("--ride-chunks", default="", help="e.g. 256,512,1024: time riding prefills too")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(
     model: str,
@@ -57,7 +49,6 @@ def main(
     steps: int,
     rounds: int,
     chunk_tokens: int,
-    ride_chunks: str,
     out: Path | None,
 ) -> None:
     reexec_with_openblas("bench.overlap_probe")
@@ -67,7 +58,7 @@ def main(
 
     from jobs.model_catalog import resolve_model
     from jobs.tokenizer import load_tokenizer
-    from ring_worker.batch_decode import BatchDecoder, DecodeRequest, Ride, StepTimes
+    from ring_worker.batch_decode import BatchDecoder, DecodeRequest
     from ring_worker.devices import cap_device_memory
     from ring_worker.engine import Engine
     from ring_worker.models import load_for_this_device
@@ -80,12 +71,10 @@ def main(
     ids = ids * -(-(prompt_tokens * rows + joiner_tokens) // len(ids))
     engine = Engine(loaded)
     decoder = BatchDecoder(engine, max_batch=rows)
-    rides = [int(c) for c in ride_chunks.split(",") if c]
-    ride_steps = sum(steps + 1 + -(-joiner_tokens // c) for c in rides) * (rounds + 1)
     for row in range(rows):  # rows of different lengths, as a service batch's
         prompt = ids[row * 97 : row * 97 + prompt_tokens - 3 * row]
         # three phases step the batch each round and three in the untimed warm-up, plus one spare
-        long_enough = DecodeRequest(str(row), max_tokens=steps * (3 * rounds + 4) + ride_steps)
+        long_enough = DecodeRequest(str(row), max_tokens=steps * (3 * rounds + 4))
         decoder.add(long_enough, engine.prefill(prompt, chunk_tokens))
     joiner = ids[-joiner_tokens:]
     side = mx.new_stream(mx.default_device())
@@ -136,49 +125,14 @@ def main(
         mx.eval(logits)
         return time.perf_counter() - began, logits
 
-    def timed_chunked(chunk: int) -> float:
-        """The joiner's plain prefill in `chunk`-token chunks (each evaluated), for comparison."""
-        began = time.perf_counter()
-        mx.eval(engine.prefill(joiner, chunk).logits)
-        return time.perf_counter() - began
-
-    def ride_build_s(chunk: int) -> float:
-        """Host seconds to build and launch one ride step with the device idle (and the step)."""
-        cache = make_prompt_cache(loaded)
-        mx.synchronize()
-        began = time.perf_counter()
-        results = decoder.step(Ride(joiner[:chunk], cache))
-        built = time.perf_counter() - began
-        assert not results
-        mx.synchronize()
-        return built
-
-    def timed_ride(chunk: int) -> tuple[float, mx.array]:
-        """The joiner's prefill riding on the batch's steps in `chunk`-token chunks, then the
-        same steps as the others."""
-        decoder.times = StepTimes()
-        began = time.perf_counter()
-        found = engine.prefill(joiner, chunk, ride=lambda c, kv: decoder.ride(c, kv)[1]).logits
-        split[chunk].append(decoder.times.line())
-        for _ in range(steps):
-            decoder.step()
-        mx.eval(found)
-        return time.perf_counter() - began, found
-
-    split: dict[int, list[str]] = {chunk: [] for chunk in rides}  # a ride's host/device split
     timed_steps(), timed_prefill(), timed_overlap(), timed_sliced()  # compile kernels: untimed
-    for chunk in rides:
-        timed_ride(chunk)
     found: dict[str, list[float]] = {
         "steps_s": [],
         "prefill_s": [],
         "overlapped_s": [],
         "sliced_s": [],
-        **{f"ride_{chunk}_s": [] for chunk in rides},
-        **{f"chunked_{chunk}_s": [] for chunk in rides},
-        **{f"ride_build_{chunk}_s": [] for chunk in rides},
     }
-    diffs, ride_diffs = [], []
+    diffs = []
     for _ in range(rounds):
         found["steps_s"].append(timed_steps())
         prefill_s, serial = timed_prefill()
@@ -189,18 +143,7 @@ def main(
         found["sliced_s"].append(sliced_s)
         for other in (overlapped, sliced):
             diffs.append(cast(float, mx.abs(serial.reshape(-1) - other.reshape(-1)).max().item()))
-        for chunk in rides:
-            ride_s, ridden = timed_ride(chunk)
-            found[f"ride_{chunk}_s"].append(ride_s)
-            found[f"chunked_{chunk}_s"].append(timed_chunked(chunk))
-            found[f"ride_build_{chunk}_s"].append(ride_build_s(chunk))
-            ride_diffs.append(cast(float, mx.abs(serial - ridden).max().item()))
     median = {key: statistics.median(values) for key, values in found.items()}
-    step_s = median["steps_s"] / steps
-    ride_cost = {
-        chunk: median[f"ride_{chunk}_s"] - (steps + -(-joiner_tokens // chunk)) * step_s
-        for chunk in rides
-    }
     report = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(["python -m bench.overlap_probe", *sys.argv[1:]]),
@@ -217,10 +160,6 @@ def main(
             (median["steps_s"] + median["prefill_s"] - median["overlapped_s"]) / median["prefill_s"]
         ),
         "max_abs_logit_diff": max(diffs),
-        "ride_cost_s": ride_cost,
-        "ride_cost_share": {chunk: cost / median["prefill_s"] for chunk, cost in ride_cost.items()},
-        "ride_max_abs_logit_diff": max(ride_diffs, default=None),
-        "ride_host_split": split,
     }
     print(json.dumps(report, indent=1))
     if out is not None:

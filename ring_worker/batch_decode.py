@@ -30,7 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import mlx.core as mx
 
@@ -39,7 +39,6 @@ from ring_worker.compiled_step import CompiledStep
 from ring_worker.engine import Engine, PrefillResult, ProgressFn, RingEngine, StopFn
 from ring_worker.fused_linears import fuse_layers
 from ring_worker.pipeline import PipelineEngine
-from ring_worker.ride_step import CompiledRide, ride_forward
 from ring_worker.rows_attention import install_rows_attention
 
 CLEAR_CACHE_STEPS = 256
@@ -61,16 +60,6 @@ class DecodeRequest:
     on_progress: ProgressFn | None = None
     should_stop: StopFn | None = None  # asked on every rank, every step the sequence is in
     stop_when: Callable[[list[int]], bool] | None = None  # after each token (stop strings)
-
-
-@dataclass
-class Ride:
-    """A chunk of a joining job's prompt that rides on the batch's next step
-    (ring_worker/ride_step.py): `cache` is the joiner's own KV, which the step extends."""
-
-    chunk: list[int]
-    cache: list[Any]
-    hidden: mx.array | None = None  # the step sets it: the chunk's last normalised hidden state
 
 
 @dataclass(frozen=True)
@@ -146,7 +135,6 @@ class BatchDecoder:
             fuse_layers(engine.model)  # and fewer matmuls a step (ring_worker/fused_linears.py)
         compiling = self.fused_rows if compiled is None else compiled
         self.compiled = CompiledStep(engine.model) if compiling else None
-        self.compiled_ride = CompiledRide(engine.model) if compiling else None
         self._slots = max_batch or 1
         self.cache = BatchCache(len(engine.model.layers), self._slots)
         self._rows: list[_Sequence] = []  # in cache row order
@@ -188,13 +176,13 @@ class BatchDecoder:
             done.extend(self.step())
         return done
 
-    def step(self, ride: Ride | None = None) -> list[SequenceResult]:
-        """Queue one forward pass over all rows (and `ride`'s chunk with them), read the
-        previous step's tokens; returns the sequences that left."""
+    def step(self) -> list[SequenceResult]:
+        """Queue one forward pass over all rows, read the previous step's tokens; returns the
+        sequences that left."""
         if not self._rows:
             return []
         times, began = self.times, time.perf_counter()
-        upcoming = self._queue_step(ride)
+        upcoming = self._queue_step()
         assert self._vote is not None
         queued = time.perf_counter()
         tokens, stops = cast(list[list[int]], self._vote.tolist())
@@ -214,33 +202,12 @@ class BatchDecoder:
         times.drop_s += time.perf_counter() - taken
         return results
 
-    def ride(self, chunk: list[int], cache: list[Any]) -> tuple[list[SequenceResult], mx.array]:
-        """Prefill `chunk` into `cache` (a joiner's own KV) on the next step, with every row
-        (ring_worker/ride_step.py); alone, as a plain prefill's chunk, when no row is left. Returns
-        the sequences that left and the chunk's last normalised hidden state (lazy)."""
-        if not self._rows:
-            hidden = self.engine.model.model(mx.array([chunk]), cache=cache)[:, -1:]
-            mx.async_eval(hidden, [c.state for c in cache])
-            return [], hidden
-        ride = Ride(chunk, cache)
-        results = self.step(ride)
-        assert ride.hidden is not None
-        return results, ride.hidden
-
     # -- one step --------------------------------------------------------------------------
 
-    def _queue_step(self, ride: Ride | None = None) -> mx.array:
+    def _queue_step(self) -> mx.array:
         """The forward pass of every row on its pending token, and the step's vote (lazy)."""
         assert self._vote is not None
-        if ride is not None:
-            chunk, tokens = mx.array([ride.chunk]), self._vote[0]
-            if self.compiled_ride is not None:
-                logits, ride.hidden = self.compiled_ride(self.cache, tokens, chunk, ride.cache)
-            else:
-                logits, ride.hidden = ride_forward(self.engine.model, self.cache, tokens, chunk,
-                                                   ride.cache)  # fmt: skip
-            mx.async_eval(ride.hidden, [c.state for c in ride.cache])
-        elif self.compiled is not None and len(self._rows) > 1:
+        if self.compiled is not None and len(self._rows) > 1:
             logits = self.compiled(self.cache, self._vote[0])
         else:  # one row: mlx-lm's own step (its gemv), as one at a time runs it
             inputs = self._vote[0][:, None]

@@ -33,9 +33,6 @@ from ring_worker.ring_attention import (
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
 StopFn = Callable[[], bool]  # asked on every rank at each chunk / decode step
-# runs one prompt chunk into the cache riding on a decode batch's step (ring_worker/batch_serve.py);
-# returns the chunk's last normalised hidden state (1, 1, dim)
-RideFn = Callable[[list[int], list[Any]], mx.array]
 WARM_UP_TOKENS = 1024  # K/V all-gathered once when a ring engine starts (RingEngine._warm_up)
 
 
@@ -109,7 +106,6 @@ class Engine:
         cache: list[Any] | None = None,
         checkpoints: Checkpointer | None = None,
         resume: Resume | None = None,
-        ride: RideFn | None = None,
     ) -> PrefillResult:
         """Chunked prefill. Progress goes (0, total), then once per chunk up to (total, total) on
         every rank, for every strategy. `should_stop`, if given, must be given on every rank: the
@@ -118,13 +114,9 @@ class Engine:
         layout (ring_worker/kv_reshard.py builds one from a kept prefix); every rank passes one
         or none. `checkpoints`: save this rank's caches at chunk boundaries as it asks; `resume`:
         continue from such a checkpoint of the same prompt, chunk size and layout (single and
-        ring; its result then names no added positions, so prefix reuse keeps nothing of it).
-        `ride`: run each chunk through it instead (a single device's prefill riding on a decode
-        batch's steps, ring_worker/ride_step.py)."""
+        ring; its result then names no added positions, so prefix reuse keeps nothing of it)."""
         if not tokens:
             raise ValueError("cannot prefill an empty prompt")
-        if ride is not None and self.group is not None:
-            raise ValueError("only a single-device prefill rides on a decode batch")
         started = time.perf_counter()
         total = len(tokens)
         chunks = [tokens[s : s + chunk_tokens] for s in range(0, total, chunk_tokens)]
@@ -137,12 +129,8 @@ class Engine:
         if on_progress:
             on_progress("prefill", ends[first - 1] if first else 0, total)
         hidden = None
-        if ride is not None:
-            steps = self._ride_steps(chunks[first:], cache, ride)
-        else:
-            steps = self._prefill_steps(chunks[first:], cache)
-        with paced_layers(self.model, 0 if ride else self.paced_layers):
-            for step in steps:
+        with paced_layers(self.model, self.paced_layers):
+            for step in self._prefill_steps(chunks[first:], cache):
                 if step.chunk is not None:
                     step = Step(step.chunk + first, step.last_hidden)
                 if step.last_hidden is not None:
@@ -200,14 +188,6 @@ class Engine:
         with last_position_mlp(self.model):
             hidden = self._forward(chunks[-1], cache)
         yield Step(len(chunks) - 1, hidden[:, -1:])
-
-    def _ride_steps(
-        self, chunks: list[list[int]], cache: list[Any], ride: RideFn
-    ) -> Iterator[Step]:
-        last = len(chunks) - 1
-        for index, chunk in enumerate(chunks):
-            hidden = ride(chunk, cache)
-            yield Step(index, hidden if index == last else None)
 
     def _forward(self, tokens: list[int], cache: list[Any]) -> mx.array:
         hidden = self.model.model(mx.array([tokens]), cache=cache)

@@ -117,12 +117,11 @@ def mlx_lm_attention(module: nn.Module) -> nn.Module:
     return module if inner is None else mlx_lm_attention(inner)
 
 
-def project_heads(attn: nn.Module, x: mx.array, fused: bool | None = None) -> list[mx.array]:
-    """q, k and v of `x` as (batch, length, heads, head_dim): one fused matmul where the layer
-    is fused and `fused` says so (by default on a decode step, `runs_fused`), else the
-    module's three."""
+def project_heads(attn: nn.Module, x: mx.array) -> list[mx.array]:
+    """q, k and v of `x` as (batch, length, heads, head_dim): one fused matmul on a decode step
+    where the layer is fused, else the module's three."""
     qkv: Fused | None = getattr(attn, QKV, None)
-    if qkv is not None and (runs_fused(x) if fused is None else fused):
+    if qkv is not None and runs_fused(x):
         return qkv(x, head_dim=attn.q_proj.weight.shape[0] // attn.n_heads)
     batch, length, _ = x.shape
     q = attn.q_proj(x).reshape(batch, length, attn.n_heads, -1)

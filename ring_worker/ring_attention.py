@@ -149,14 +149,6 @@ def project_qkv(
     """Q/K/V of mlx-lm's Llama or Qwen3 attention, RoPE applied at absolute positions (one
     offset, or one per row of a decode batch)."""
     q, k, v = project_heads(attn, x)
-    return rope_heads(attn, q, k, v, offset)
-
-
-def rope_heads(
-    attn: nn.Module, q: mx.array, k: mx.array, v: mx.array, offset: int | mx.array
-) -> tuple[mx.array, mx.array, mx.array]:
-    """Projected q/k/v (batch, length, heads, head_dim) as attention takes them: (batch, heads,
-    length, head_dim), q and k normalised where the model does (Qwen3) and RoPE'd at `offset`."""
     if hasattr(attn, "q_norm"):  # Qwen3 normalises per head before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     q = attn.rope(q.transpose(0, 2, 1, 3), offset=offset)

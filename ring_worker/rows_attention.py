@@ -373,33 +373,24 @@ class RowsAttention(nn.Module):
             return self.inner(x, mask, cache)  # one row (runs_fused: no): mlx-lm's own step
         attn = mlx_lm_attention(self.inner)
         q, k, v = project_qkv(attn, x, cache.offset)
-        out = self.step_attention(q, k, v, cache, attn.scale)
-        out = out.astype(x.dtype).transpose(0, 2, 1, 3)
-        return attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
-
-    def step_attention(
-        self, q: mx.array, k: mx.array, v: mx.array, cache: SlotCache, scale: float
-    ) -> mx.array:
-        """Store a step's K/V (rows, kv_heads, 1, dim) in the rows and attend: fused SDPA where
-        every row has one length, `attend` where they differ."""
         rows = cache.rows
         if rows.uniform:  # one length: nothing to hide, mlx-lm's attention as it runs it
             keys, values = cache.update_and_fetch(k, v)
-            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
-        cache.store(k, v)
-        assert cache.keys is not None and cache.values is not None
-        starts, visible = rows.starts(), rows.visible()
-        return self._attend(q, cache.keys, cache.values, starts, visible, rows.longest + 1, scale)
-
-
-def masked_step_attention(
-    q: mx.array, k: mx.array, v: mx.array, cache: SlotCache, scale: float
-) -> mx.array:
-    """What a plain mlx-lm attention does on a batch's step (no rows kernels): store, then SDPA
-    over the columns any row holds, the rows' mask hiding each row's others."""
-    keys, values = cache.update_and_fetch(k, v)
-    mask = cache.rows.mask()
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale)
+        else:
+            cache.store(k, v)
+            assert cache.keys is not None and cache.values is not None
+            out = self._attend(
+                q,
+                cache.keys,
+                cache.values,
+                rows.starts(),
+                rows.visible(),
+                rows.longest + 1,
+                attn.scale,
+            )
+        out = out.astype(x.dtype).transpose(0, 2, 1, 3)
+        return attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
 
 
 def install_rows_attention(model: nn.Module, attend: Attend | None = None) -> bool:

@@ -14,7 +14,7 @@
 #   bash bench/results/h200-service/run.sh step-cost   # a decode step's host/device split by rows, per MLX setting
 #   bash bench/results/h200-service/run.sh resume      # a ~128K prefill killed late: resumed vs restarted
 #   bash bench/results/h200-service/run.sh prefill-batch  # short documents prefilled together or one by one
-#   bash bench/results/h200-service/run.sh overlap     # a joiner's prefill beside the batch's steps (second stream; layer slices; RIDE_CHUNKS=256,512: riding on them)
+#   bash bench/results/h200-service/run.sh overlap     # a joiner's prefill beside the batch's steps (second stream; layer slices)
 #   bash bench/results/h200-service/run.sh compiled    # compiled decode steps against op by op: logits, step times
 #   bash bench/results/h200-service/run.sh store       # does a K/V store copy the buffers (eager, dynamic, compiled)
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
@@ -127,9 +127,8 @@ PY
       for steps in ${OVERLAP_STEPS:-16}; do
         for rows in ${OVERLAP_ROWS:-2 8 24}; do
           timeout 150 python3 -m bench.overlap_probe --model $model --rows $rows --steps $steps \
-            --ride-chunks "${RIDE_CHUNKS:-}" \
             --out "$out/overlap-probe-rows-$rows${OVERLAP_TAG:-}-steps-$steps.json" 2>&1 \
-            | grep -E "step_ms|saved_s|max_abs_logit_diff|ride_cost|rror"
+            | grep -E "step_ms|saved_s|max_abs_logit_diff|rror"
         done
       done
       ;;
