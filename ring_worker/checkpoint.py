@@ -253,8 +253,13 @@ class Checkpointer:
         self.saved_offset = cache[0].offset if cache else 0
         self._queue.put(segment)
 
-    def close(self) -> None:
-        """Wait for the last write."""
+    def close(self, drop_queued: bool = False) -> None:
+        """Wait for the writer: every segment handed to it written, or with `drop_queued` only
+        the one being written (the queued one is dropped: the chain is about to be deleted)."""
+        if drop_queued:
+            with contextlib.suppress(queue.Empty):
+                self._queue.get_nowait()
+                self._held.release()
         self._queue.put(None)
         self._writer.join()
 
@@ -356,10 +361,13 @@ def agree_on_resume(resume: Resume | None, gather: Callable[[int], list[int]]) -
 
 def end_checkpoints(saver: Checkpointer | None, keep: bool) -> None:
     """After the prefill: wait for the writer, and delete this rank's segments unless `keep`
-    (the prefill failed and a retry may continue from them)."""
+    (the prefill failed and a retry may continue from them). A finished prefill waits only for
+    the segment being written: on an H100 a 128K prompt's writer still held a queued 2-4 GB
+    segment as the prefill ended, and the job's end waited 9 s for a file it then deleted
+    (bench/results/h200-service/README.md, "ringq up on an H100")."""
     if saver is None:
         return
-    saver.close()
+    saver.close(drop_queued=not keep)
     if not keep:
         saver.delete()
         for folder in (saver.folder, checkpoint_dir(saver.home, saver.job_id)):

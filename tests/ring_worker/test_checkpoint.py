@@ -183,6 +183,32 @@ def test_a_rank_deletes_its_part_when_its_prefill_is_done(short_tmp_path):
     assert not checkpoint_dir(short_tmp_path, "j").exists()
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_finished_prefill_does_not_wait_to_write_a_queued_segment(short_tmp_path, keep):
+    """A finished prefill (keep=False) deletes its chain: the writer finishes the segment it is
+    writing, and the queued one is dropped unwritten. A failed one (keep=True) writes both."""
+    writing, release = threading.Event(), threading.Event()
+    written: list[int] = []
+
+    def hold(tokens: int) -> None:
+        written.append(tokens)
+        writing.set()
+        release.wait(30)
+
+    saver = Checkpointer(short_tmp_path, "j", "single-1", 0, 64, 1 << 30, hold, True)
+    cache = filled_cache(64)
+    saver.save(cache, 64, {})  # being written, held in `hold`
+    assert writing.wait(30)
+    grow(cache, 64)
+    saver.save(cache, 128, {})  # queued behind it
+    threading.Timer(0.2, release.set).start()
+    end_checkpoints(saver, keep=keep)
+    assert written == ([64, 0] if not keep else [64, 128])
+    names = sorted(p.name for p in saver.folder.glob("*")) if saver.folder.is_dir() else []
+    want = ["single-1-rank0-0-64.safetensors", "single-1-rank0-64-128.safetensors"]
+    assert names == ([] if not keep else want)
+
+
 def test_deleting_a_jobs_checkpoints_frees_their_bytes(short_tmp_path):
     saver = Checkpointer(short_tmp_path, "j", "single-1", 0, every_tokens=64, budget_bytes=1 << 30)
     saver.save(filled_cache(64), 64, {})
