@@ -57,8 +57,8 @@ reservation (ring_worker/memory_tier.py): beside a job it holds at most (the gro
 bytes per node - that job's own estimate, both on the placement); a larger copy leaves memory
 before the prefill (its prefix stays on disk), and a job that starts from the copy takes it over.
 
-When is a prompt kept: every job's prompt KV in memory; on disk unless reading the file back
-would be slower than recomputing the prompt (`worth_a_file`: a GPU's short prompts), or it adds
+When is a prompt kept: every job's prompt KV in memory; on disk unless writing the file and
+reading it back would be slower than recomputing the prompt (`worth_a_file`: a GPU's), or it adds
 less than KEEP_MIN_NEW_FRACTION of its prompt beyond the prefix it reused (the eight questions of
 one document keep the document once, not eight times; a conversation that grows by a few turns
 reuses the older entry and recomputes a little more). RINGQ_PREFIX_CACHE=off turns matching and
@@ -82,6 +82,10 @@ PENDING_TTL_S = 3600.0  # an in-flight marker's safety expiry (one of an ended j
 # Reading a kept file back: 16 GiB in 6-9 s on the H200 (bench/results/h200-service, the 128K
 # prefix run's logs), page cache aside; CPU nodes read as fast and prefill far slower.
 READ_BYTES_PER_S = 2e9
+# Writing one, on the group's compute path after its job: 17.2 GB in 18.0 s on the lent H100's
+# host (a 128K prompt of the 8B shape; bench/results/h200-service/README.md, "ringq up on an
+# H100"); the same file held its group for 29 s on the H200 (bench/results/prefix-reuse.md).
+WRITE_BYTES_PER_S = 1e9
 PENDING_GRACE_S = 60.0  # a finished job's marks still count this long (its KV is being kept)
 
 Layout = Strategy  # the layout an entry was kept by: the strategy that prefilled it
@@ -214,11 +218,14 @@ def worth_keeping(prompt_tokens: int, reused_tokens: int) -> bool:
 
 
 def worth_a_file(recompute_s: float, file_bytes: int) -> bool:
-    """Whether a disk copy of a prompt's KV can pay off: reading it back must beat recomputing
-    the prompt. On an H200 a 4K prompt of the 8B shape prefills in ~0.1 s while its 0.5 GB file
-    reads in ~0.25 s; its 128K prompt takes ~11 s, its 16 GiB file 6-9 s. Unknown (0) times
-    keep the file."""
-    return recompute_s <= 0 or recompute_s * READ_BYTES_PER_S > file_bytes
+    """Whether a disk copy of a prompt's KV pays for itself at its first reuse: writing it (the
+    group waits for that) and reading it back must beat recomputing the prompt. On a GPU it
+    does not: an H200 prefills a 4K prompt of the 8B shape in ~0.1 s (its 0.5 GB file reads in
+    ~0.25 s), and a 128K one in ~11 s, while its 16 GiB file takes ~17 s to write and 6-9 s to
+    read; a GPU group keeps the prompt in memory only, for its next job. A CPU node prefills
+    ~100x slower and keeps its files. Unknown (0) times keep the file."""
+    seconds = file_bytes / READ_BYTES_PER_S + file_bytes / WRITE_BYTES_PER_S
+    return recompute_s <= 0 or seconds < recompute_s
 
 
 def choose_entry(entries: Sequence[CacheEntry], node_order: Sequence[str]) -> CacheEntry | None:

@@ -66,8 +66,5 @@ def pinned_bytes(cache: Sequence[Any], held: Sequence[tuple[Any, Any]], view: bo
 
 def room_text(room_bytes: int) -> str:
     if room_bytes <= 0:
-        return "the group's reservation has no room for it beside this job (its disk copy stays)"
-    return (
-        f"the group's reservation has room for {room_bytes} bytes beside this job "
-        "(its disk copy stays)"
-    )
+        return "the group's reservation has no room for it beside this job"
+    return f"the group's reservation has room for {room_bytes} bytes beside this job"

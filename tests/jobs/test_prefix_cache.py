@@ -165,8 +165,9 @@ GIB = 1024**3
     ("recompute_s", "file_bytes", "keep"),
     [
         (0.11, GIB // 2, False),  # H200, 8B shape, 4K prompt: reading it back is slower
-        (11.8, 16 * GIB, True),  # the same at 128K: reading is faster
+        (11.8, 16 * GIB, False),  # the same at 128K: reading is faster, writing and reading not
         (3.0, 180 * 1024**2, True),  # CPU, SmolLM2 at 4K
+        (30.0, 16 * GIB, True),  # a prefill three times the H200's: the file pays
         (0.0, 16 * GIB, True),  # no timing: keep
     ],
 )
