@@ -5,10 +5,12 @@ finished, prefill tok/s and load time, cold (the first job of a fresh group) and
     python -m bench.gpu_service --model random:llama-3.1-8b --pp 32768,131072 \
         --out bench/results/h200-service/service.json
 
-Each prompt length gets a fresh `ringq up` (so its first job is a cold group) and then `--warm`
-more jobs on the same group. `--env KEY=VALUE` runs a variant (e.g. RINGQ_WARM_UP=0). Times come
-from the job records (server-side clocks): created_at, prefill_started_at, and the finishing
-transition's updated_at.
+Each prompt length gets a fresh `ringq up` (its first job is a cold group), then `--warm`
+more jobs on the same group. Each job's document is a different rotation of the text, so a
+warm job prefills its whole prompt (the same document would start from the kept prefix:
+bench.prefix_reuse measures that). `--env KEY=VALUE` runs a variant (e.g. RINGQ_WARM_UP=0).
+Times come from the job records (server-side clocks): created_at, prefill_started_at, and the
+finishing transition's updated_at.
 """
 
 import argparse
@@ -33,9 +35,12 @@ from jobs.submit import submit_job
 POLL_S = 0.02
 
 
-def document_of(tokens: int) -> str:
-    """About `tokens` tokens of text for the random models' byte tokenizer (one per byte)."""
+def document_of(tokens: int, variant: int = 0) -> str:
+    """About `tokens` tokens of text for the random models' byte tokenizer (one per byte);
+    each `variant` starts at a different place in the text (no prefix in common)."""
     text = files("cli").joinpath("demo/document.md").read_text().encode("ascii", "ignore")
+    shift = variant * 997 % len(text)
+    text = text[shift:] + text[:shift]
     tiled = (text * (tokens // len(text) + 1))[:tokens]
     return tiled.decode("ascii")
 
@@ -104,13 +109,13 @@ def run_length(args: argparse.Namespace, pp: int, env: dict[str, str]) -> list[d
             wait_for_spare_ranks(home / "logs", cluster.node_names, env)
             conn = connect(cluster.url)
             store = JobStore(conn)
-            spec = JobSpec(
-                kind=JobKind.PREFILL,
-                document=document_of(pp),
-                model=args.model,
-                strategy=args.strategy,
-            )
             for index in range(1 + args.warm):
+                spec = JobSpec(
+                    kind=JobKind.PREFILL,
+                    document=document_of(pp, index),
+                    model=args.model,
+                    strategy=args.strategy,
+                )
                 row = run_job(store, conn, spec, args.timeout_s)
                 row |= {"cold": index == 0, "env": env, "nodes": cluster.describe()}
                 print(json.dumps(row), flush=True)
