@@ -24,7 +24,6 @@ import queue
 import re
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,6 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from admission.estimate import HELD_SEGMENTS, max_segment_tokens
 from jobs.files import file_bytes, folder_bytes
-from jobs.prefix_cache import READ_BYTES_PER_S
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
@@ -179,15 +177,6 @@ def snapshot(cache: list[Any], from_offset: int = 0) -> list[KVCache]:
     return copies
 
 
-def cache_bytes_per_token(cache: Any) -> int:
-    """K and V bytes per position of one layer's KVCache on this rank (none for a layer it does
-    not hold: a pipeline stage's)."""
-    keys = getattr(cache, "keys", None)
-    if keys is None or keys.shape[2] == 0:
-        return 0
-    return 2 * keys.nbytes // (keys.shape[0] * keys.shape[2])
-
-
 @dataclass(frozen=True)
 class _Segment:
     caches: list[KVCache]  # the part of each layer's cache since the previous segment
@@ -230,8 +219,6 @@ class Checkpointer:
         self.every_tokens, self.budget_bytes = every_tokens, budget_bytes
         self.on_change, self.skip_while_busy = on_change, skip_while_busy
         self.saved_tokens = 0  # prompt tokens handed to the writer so far
-        self.started_s, self.started_tokens = time.monotonic(), 0  # this prefill's rate so far
-        self.declined = False  # checkpoints would not pay (`pays`)
         self.saved_offset = 0  # this rank's cache length then (a ring rank holds a share)
         self.skipped = 0  # segments not written: over the disk budget (or after one that was)
         self.max_segment_tokens = max_segment_tokens
@@ -247,27 +234,6 @@ class Checkpointer:
             return False
         return done_tokens // self.every_tokens > self.saved_tokens // self.every_tokens
 
-    def pays(self, cache: list[Any], done_tokens: int) -> bool:
-        """Whether a retry would read this checkpoint back faster than it recomputes it: this
-        rank's KV bytes per prompt token at READ_BYTES_PER_S, against the seconds per token this
-        prefill has taken so far (an average: later tokens cost more to recompute). A GPU's
-        short prompts do not pay: an H100 prefilled 32K tokens of the 8B shape at 25K tok/s (40
-        us a token) whose KV, 128 KiB a token, reads back in 64 us; at 128K (10K tok/s) they
-        do. A CPU's always do. Until the first chunk is timed: yes. Once no, no for the rest of
-        the prefill: the average only falls as the prompt grows, and a later first segment
-        would copy every token before it at once (beyond what admission counts)."""
-        elapsed_s = time.monotonic() - self.started_s
-        computed = done_tokens - self.started_tokens
-        if self.declined or elapsed_s <= 0 or computed <= 0:
-            return not self.declined
-        read_s = sum(cache_bytes_per_token(c) for c in cache) / READ_BYTES_PER_S
-        self.declined = read_s >= elapsed_s / computed
-        if self.declined:
-            log.info("job %s rank %d: no checkpoints: reading them back would be slower than "
-                     "recomputing (%.0f us a token against %.0f)", self.job_id, self.rank,
-                     1e6 * read_s, 1e6 * elapsed_s / computed)  # fmt: skip
-        return not self.declined
-
     def _segment_full(self, done_tokens: int) -> bool:
         cap = self.max_segment_tokens
         return cap is not None and done_tokens - self.saved_tokens >= cap
@@ -276,7 +242,6 @@ class Checkpointer:
         """The prefill continues from `resume`: the next segment starts where it ends."""
         self.saved_tokens = resume.tokens
         self.saved_offset = resume.cache[0].offset if resume.cache else 0
-        self.started_s, self.started_tokens = time.monotonic(), resume.tokens
 
     def save(self, cache: list[Any], done_tokens: int, state: dict[str, str]) -> None:
         """Hand the caches' part since the last save to the writer (waits while two segments'

@@ -167,7 +167,7 @@ class Engine:
         return resume.tokens // chunk_tokens
 
     def _checkpoint(self, checkpoints: Checkpointer, cache: list[Any], done: int) -> None:
-        if checkpoints.due(done) and checkpoints.pays(cache, done):
+        if checkpoints.due(done):
             checkpoints.save(cache, done, self._prefill_state())
 
     def _begin_prefill(self, state: dict[str, str]) -> None:

@@ -29,7 +29,6 @@ from jobs.prefix_cache import (
 )
 from jobs.prefix_index import PendingPrefixes, PrefixIndex, model_key
 from ring_worker.cache_store import CacheStore, node_store, read_cache_file
-from ring_worker.checkpoint import cache_bytes_per_token
 from ring_worker.engine import Engine, PrefillResult
 from ring_worker.kv_reshard import ShardKV, build_cache, cache_arrays, clip_ranges, even_split
 from ring_worker.memory_tier import merge_adjacent, pinned_bytes, room_text
@@ -243,6 +242,15 @@ def file_pays_off(prefill: PrefillResult, prompt_tokens: int, held_tokens: int) 
     recompute_s = prefill.seconds * prompt_tokens / prefill.prompt_tokens
     file_bytes = held_tokens * sum(cache_bytes_per_token(c) for c in prefill.cache)
     return worth_a_file(recompute_s, file_bytes)
+
+
+def cache_bytes_per_token(cache: Any) -> int:
+    """K and V bytes per position of one layer's KVCache on this rank (none for a layer it does
+    not hold: a pipeline stage's)."""
+    keys = getattr(cache, "keys", None)
+    if keys is None or keys.shape[2] == 0:
+        return 0
+    return 2 * keys.nbytes // (keys.shape[0] * keys.shape[2])
 
 
 @dataclass
