@@ -263,5 +263,21 @@ class BatchCache:
         rows.limits.pop()
         rows.changed()
 
+    def row_prefix(self, row: int, tokens: int) -> list[tuple[mx.array, mx.array]]:
+        """Copies (evaluated, not views of the batch's buffers) of `row`'s first `tokens`
+        positions' K/V, per layer, as (1, kv_heads, tokens, head_dim)."""
+        rows = self.rows
+        if not 0 < tokens <= rows.lengths[row]:
+            raise ValueError(f"row {row} holds {rows.lengths[row]} positions, not {tokens}")
+        start = rows.end - rows.lengths[row]
+        copies: list[tuple[mx.array, mx.array]] = []
+        for layer in self.layers:
+            assert layer.keys is not None and layer.values is not None
+            keys = mx.contiguous(layer.keys[row : row + 1, :, start : start + tokens])
+            values = mx.contiguous(layer.values[row : row + 1, :, start : start + tokens])
+            copies.append((keys, values))
+        mx.eval(copies)
+        return copies
+
     def state(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.state]

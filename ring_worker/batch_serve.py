@@ -31,8 +31,10 @@ import mlx.core as mx
 
 from jobs.errors import JobNotFoundError
 from jobs.lifecycle import JobState
+from jobs.prefix_cache import exact_reuse_tokens
 from jobs.schemas import JobKind
 from jobs.tokenizer import ChatTokenizer
+from ring_worker.batch_cache import BatchCache
 from ring_worker.batch_decode import (
     BatchDecoder,
     DecodeRequest,
@@ -45,7 +47,7 @@ from ring_worker.job_io import JobIO
 from ring_worker.job_prefix import memory_room
 from ring_worker.job_report import PROGRESS_INTERVAL_S, ReportClock, enter, kicking, throttled
 from ring_worker.join_budget import JoinBudget, LoopClock, Waiting
-from ring_worker.prefix_reuse import RankPrefixCache
+from ring_worker.prefix_reuse import InMemory, RankPrefixCache
 from ring_worker.rank_main import (
     Prefilled,
     RankContext,
@@ -106,6 +108,8 @@ class BatchServer:
         self.waiting: dict[str, Waiting] = {}  # rank 0: jobs handed over, not started yet
         self.loop_clock = LoopClock(self.budget.times)
         self.held: set[str] = set()  # rank 0: jobs told they wait to join
+        if prefix is not None:  # a joiner may start from a member's row (its document's KV)
+            prefix.rows = self.row_prefix
 
     def run(self, first: JobIO, load_s: float, next_job: NextJob) -> None:
         """Serve `first`, every job that joins while the group decodes, and the warm group's
@@ -169,6 +173,13 @@ class BatchServer:
         self.loop_clock.joined(tokens)
         if lead and self.budget.slowdown is not None:
             self.arrived(io, job, time.perf_counter() - began)
+
+    def row_prefix(self, tokens: list[int]) -> InMemory | None:
+        """A question joining the batch of its document's first question starts from that
+        member's row (`member_row_prefix`)."""
+        known = {key: member.job.tokens for key, member in self.members.items()}
+        prompts = [(key, known.get(key, [])) for key in self.decoder.members]  # in row order
+        return member_row_prefix(self.decoder.cache, prompts, tokens)
 
     def request(
         self, io: JobIO, job: Prefilled, text: DecodeText, report: ProgressFn
@@ -340,6 +351,25 @@ class JoinTimes:
         rest = self.total_s - self.prefill_s
         return (f"{self.count} jobs: prefill {self.prefill_s:.2f}s, joining {rest:.2f}s, "
                 f"hand-off {self.handoff_s:.2f}s")  # fmt: skip
+
+
+def member_row_prefix(
+    cache: BatchCache, prompts: list[tuple[str, list[int]]], tokens: list[int]
+) -> InMemory | None:
+    """The batch row (`prompts`: each row's job and prompt, in row order) whose prompt starts
+    most like `tokens`, as a copy of the shared part's KV, for a joiner to continue: not the
+    document's file (5-6 s to read at 128K on an H200, bench/results/prefix-reuse.md), nor a
+    recompute. The same on every rank (replicated rows, the same members)."""
+    shared, best = 0, None
+    for row, (key, prompt) in enumerate(prompts):
+        common = exact_reuse_tokens(prompt, tokens)
+        if common > shared:
+            shared, best = common, (row, key, prompt)
+    if best is None:
+        return None
+    row, key, prompt = best
+    layers = cache.row_prefix(row, shared)
+    return InMemory(key, prompt[:shared], layers, [(0, shared)], source="batch row")
 
 
 def without_kv(job: Prefilled) -> Prefilled:

@@ -7,7 +7,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,7 @@ class InMemory:
     layers: list[tuple[Any, Any]]  # (keys, values) per layer of this rank, in cache order
     ranges: Ranges
     bytes: int = 0  # what it keeps alive (ring_worker/memory_tier.py)
+    source: str = "memory"  # or "batch row": a decoding member's row (RankPrefixCache.rows)
 
     def reuse(self, view: RankView, tokens: list[int]) -> Reuse | None:
         reuse = exact_reuse_tokens(self.tokens, tokens)
@@ -86,7 +87,10 @@ class InMemory:
         want = clip_ranges(self.ranges, reuse) if view.sharded else [(0, reuse)]
         shard = ShardKV(view.layers.start, tuple(self.ranges), self.layers)
         cache = build_cache([shard], view.layers, want)
-        return None if cache is None else Reuse(self.entry_id, "memory", reuse, cache, want)
+        return None if cache is None else Reuse(self.entry_id, self.source, reuse, cache, want)
+
+
+RowPrefix = Callable[[list[int]], InMemory | None]  # a batch's best row for a joiner's tokens
 
 
 def view_of(engine: Engine, node: str, layout: Layout, kv_layout: str) -> RankView:
@@ -263,18 +267,25 @@ class RankPrefixCache:
     view: RankView
     model_key: str
     memory: InMemory | None = None
+    rows: RowPrefix | None = None  # a batching group's: its decoding members' prompts
 
     def find(
         self, engine: Engine, tokens: list[int], room_bytes: int | None = None
     ) -> Reuse | None:
         """This rank's part of the kept prefix every rank of the group can use, if any: the
-        one in memory when it covers at least what the index offers (no file to read). The
-        memory tier is then bounded by `room_bytes` (ring_worker/memory_tier.py)."""
+        longer of the one in memory and a batch member's row (a question joining its
+        document's batch), when it covers at least what the index offers (no file to read).
+        The memory tier is then bounded by `room_bytes` (ring_worker/memory_tier.py)."""
         in_memory = self.memory.reuse(self.view, tokens) if self.memory is not None else None
+        row = self.rows(tokens) if self.rows is not None else None
+        in_row = row.reuse(self.view, tokens) if row is not None else None
+        if in_row is not None and (in_memory is None or in_row.tokens > in_memory.tokens):
+            in_memory = in_row
         kept_blocks = self.index.match(self.model_key, tokens).tokens
         if in_memory is not None and in_memory.tokens >= kept_blocks:
             found = agree_on_reuse(engine, in_memory)
-            self.bound_memory(0 if found is not None else room_bytes)  # now the job's own KV
+            extends_memory = found is not None and found is not in_row
+            self.bound_memory(0 if extends_memory else room_bytes)  # now the job's own KV
             return found
         self.bound_memory(room_bytes)
         return agree_on_reuse(engine, find_reuse(self.index, self.model_key, tokens, self.view))
