@@ -174,12 +174,12 @@ class BatchServer:
         if lead and self.budget.slowdown is not None:
             self.arrived(io, job, time.perf_counter() - began)
 
-    def row_prefix(self, tokens: list[int]) -> InMemory | None:
+    def row_prefix(self, tokens: list[int], at_least: int) -> InMemory | None:
         """A question joining the batch of its document's first question starts from that
         member's row (`member_row_prefix`)."""
         known = {key: member.job.tokens for key, member in self.members.items()}
         prompts = [(key, known.get(key, [])) for key in self.decoder.members]  # in row order
-        return member_row_prefix(self.decoder.cache, prompts, tokens)
+        return member_row_prefix(self.decoder.cache, prompts, tokens, at_least)
 
     def request(
         self, io: JobIO, job: Prefilled, text: DecodeText, report: ProgressFn
@@ -354,13 +354,14 @@ class JoinTimes:
 
 
 def member_row_prefix(
-    cache: BatchCache, prompts: list[tuple[str, list[int]]], tokens: list[int]
+    cache: BatchCache, prompts: list[tuple[str, list[int]]], tokens: list[int], at_least: int = 1
 ) -> InMemory | None:
     """The batch row (`prompts`: each row's job and prompt, in row order) whose prompt starts
-    most like `tokens`, as a copy of the shared part's KV, for a joiner to continue: not the
-    document's file (5-6 s to read at 128K on an H200, bench/results/prefix-reuse.md), nor a
-    recompute. The same on every rank (replicated rows, the same members)."""
-    shared, best = 0, None
+    most like `tokens`, sharing at least `at_least` tokens, as a copy of the shared part's KV,
+    for a joiner to continue: not the document's file (5-6 s to read at 128K on an H200,
+    bench/results/prefix-reuse.md), nor a recompute. The same on every rank (replicated rows,
+    the same members)."""
+    shared, best = max(at_least, 1) - 1, None
     for row, (key, prompt) in enumerate(prompts):
         common = exact_reuse_tokens(prompt, tokens)
         if common > shared:

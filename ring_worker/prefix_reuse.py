@@ -90,7 +90,8 @@ class InMemory:
         return None if cache is None else Reuse(self.entry_id, self.source, reuse, cache, want)
 
 
-RowPrefix = Callable[[list[int]], InMemory | None]  # a batch's best row for a joiner's tokens
+# a batch's best row for a joiner's tokens, if it shares at least so many
+RowPrefix = Callable[[list[int], int], InMemory | None]
 
 
 def view_of(engine: Engine, node: str, layout: Layout, kv_layout: str) -> RankView:
@@ -277,11 +278,14 @@ class RankPrefixCache:
         document's batch), when it covers at least what the index offers (no file to read).
         The memory tier is then bounded by `room_bytes` (ring_worker/memory_tier.py)."""
         in_memory = self.memory.reuse(self.view, tokens) if self.memory is not None else None
-        row = self.rows(tokens) if self.rows is not None else None
-        in_row = row.reuse(self.view, tokens) if row is not None else None
-        if in_row is not None and (in_memory is None or in_row.tokens > in_memory.tokens):
-            in_memory = in_row
         kept_blocks = self.index.match(self.model_key, tokens).tokens
+        # a row is copied only where it would be taken: a copy beside the memory's, both a
+        # 128K document's KV, could run a GPU out of memory
+        at_least = max(kept_blocks, in_memory.tokens + 1 if in_memory is not None else 1)
+        row = self.rows(tokens, at_least) if self.rows is not None else None
+        in_row = row.reuse(self.view, tokens) if row is not None else None
+        if in_row is not None:
+            in_memory = in_row
         if in_memory is not None and in_memory.tokens >= kept_blocks:
             found = agree_on_reuse(engine, in_memory)
             extends_memory = found is not None and found is not in_row

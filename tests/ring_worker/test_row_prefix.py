@@ -58,7 +58,7 @@ def test_a_joiner_starts_from_the_member_that_shares_most(tiny_model_dir, redis_
     cache = RankPrefixCache(
         PrefixIndex(redis_conn), node_store(tmp_path, "node0", 10**9), view,
         f"tiny:{uuid.uuid4().hex}",
-        rows=lambda t: member_row_prefix(decoder.cache, members, t),
+        rows=lambda t, at_least: member_row_prefix(decoder.cache, members, t, at_least),
     )  # fmt: skip
     found = cache.find(engine, question)
     assert found is not None
@@ -75,10 +75,19 @@ def test_a_joiner_starts_from_the_member_that_shares_most(tiny_model_dir, redis_
     decoder.run()
 
 
-@pytest.mark.parametrize("question", [tokens(50, 6), DOC[:1]])
-def test_no_row_shares_a_prefix(tiny_model_dir, question):
+@pytest.mark.parametrize(
+    ("question", "at_least"),
+    [
+        (tokens(50, 6), 1),  # nothing shared
+        (DOC[:1], 1),  # the whole prompt: its last token is computed
+        (DOC + tokens(5, 7), len(DOC) + 1),  # shares less than what memory or a file offers
+    ],
+)
+def test_no_row_is_copied_unless_it_would_be_taken(tiny_model_dir, question, at_least):
     engine = Engine(load_tiny(tiny_model_dir))
     decoder = BatchDecoder(engine)
     decoder.add(DecodeRequest("doc", 4), engine.prefill(DOC, CHUNK_TOKENS))
-    assert member_row_prefix(decoder.cache, [("doc", DOC)], question) is None
+    assert member_row_prefix(decoder.cache, [("doc", DOC)], question, at_least) is None
+    found = member_row_prefix(decoder.cache, [("doc", DOC)], question, 1)
+    assert (found is not None) == (at_least > 1)
     decoder.run()
