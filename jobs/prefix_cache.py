@@ -52,12 +52,13 @@ Placement (jobs/admit_plan.py, from a `PrefixHint` the dispatcher reads per job)
   document runs on one node).
 
 Memory tier: a rank holds the previous job's prompt KV (one, in memory); a warm group's next job
-on the same document starts from it without reading a file. A job that joins a decoding batch
-can also start from a member's row: the longest shared prompt prefix, copied out of the batch's
-KV (ring_worker/batch_serve.member_row_prefix). It counts against the group's
+on the same document starts from it without reading a file. It counts against the group's
 reservation (ring_worker/memory_tier.py): beside a job it holds at most (the group's reserved
 bytes per node - that job's own estimate, both on the placement); a larger copy leaves memory
-before the prefill (its prefix stays on disk), and a job that starts from the copy takes it over.
+before the prefill (its file, where one was kept, stays on disk), and a job that starts from the
+copy takes it over. A job that joins a decoding batch can also start from a member's row: the
+longest shared prompt prefix, copied out of the batch's KV only where it is longer than the
+memory copy (ring_worker/batch_serve.member_row_prefix); the copy is that job's own KV.
 
 When is a prompt kept: every job's prompt KV in memory; on disk unless writing the file and
 reading it back would be slower than recomputing the prompt (`worth_a_file`: a GPU's), or it adds

@@ -284,11 +284,10 @@ class RankPrefixCache:
         at_least = max(kept_blocks, in_memory.tokens + 1 if in_memory is not None else 1)
         row = self.rows(tokens, at_least) if self.rows is not None else None
         in_row = row.reuse(self.view, tokens) if row is not None else None
-        if in_row is not None:
-            in_memory = in_row
-        if in_memory is not None and in_memory.tokens >= kept_blocks:
-            found = agree_on_reuse(engine, in_memory)
-            extends_memory = found is not None and found is not in_row
+        nearby = in_row if in_row is not None else in_memory
+        if nearby is not None and nearby.tokens >= kept_blocks:
+            found = agree_on_reuse(engine, nearby)
+            extends_memory = found is not None and found is in_memory
             self.bound_memory(0 if extends_memory else room_bytes)  # now the job's own KV
             return found
         self.bound_memory(room_bytes)
@@ -356,8 +355,9 @@ class RankPrefixCache:
         pays = file_pays_off(prefill, len(tokens), held)
         # a job waits to start from this prefill (rank 0 asks): the file will be read back
         wanted = view.rank == 0 and PendingPrefixes(self.index.conn, PENDING_TTL_S).wanted(entry_id)
-        votes = engine.gather_ints(int(pays) + 2 * int(wanted))
-        if not pinned and not votes[0] >= 2 and not all(v % 2 for v in votes):
+        votes = engine.gather_ints(int(pays) | int(wanted) << 1)  # one collective for both
+        every_rank_pays, rank0_wanted = all(v & 1 for v in votes), bool(votes[0] & 2)
+        if not (pinned or rank0_wanted or every_rank_pays):
             return None  # decided together: each rank's own timing differs a little
         # Failures are logged, never raised, between the two collectives: every rank must
         # reach both, and the job's answer already stands.
