@@ -47,7 +47,7 @@ from jobs.errors import AdmissionError
 from jobs.head_hold import HeadHold
 from jobs.prefix_cache import PrefixHint, wait_for_pending
 from jobs.schemas import GroupSpec, JobKind, JobRecord, NodeInfo, WarmGroup
-from jobs.settings import Settings, max_batch_for
+from jobs.settings import Settings, group_batch_limit
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def plan_joins(job: Job, cluster: Cluster, settings: Settings) -> list[Join]:
             continue
         if head and not head.leaves_a_slot(group.nodes, cluster.nodes, cluster.held, cpu_limit):
             continue
-        limit = max_batch_for(settings, group.backend)  # its ranks: group_batch_limit (busy: warm)
+        limit = group_batch_limit(group, settings)  # as its ranks read it
         layout = Layout(group.strategy, group.ranks, group.kv_layout)
         # the group's own chunk (what its reservation was planned with); else the smallest
         backend = by_name[group.nodes[0]].backend

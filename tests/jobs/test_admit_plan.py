@@ -203,12 +203,17 @@ def test_a_warm_placement_records_the_jobs_own_need_beside_what_the_group_holds(
     assert place.bytes_per_node == max(own, held_gib * GIB)
 
 
-def busy_single_group(cluster: Cluster) -> WarmGroup:
+def busy_single_group(cluster: Cluster, idle_s: float = 60.0) -> WarmGroup:
     """A warm group running a generate job alone on g0, as a fresh placement makes it."""
     place = plan_admission(generate(4096), cluster, SETTINGS)
     assert isinstance(place, Place) and place.plan.layout.strategy == "single"
     group = GroupSpec.from_plan(
-        place.plan, group_id="busy1", job_id="first", model=MODEL, addresses=["127.0.0.1:1"]
+        place.plan,
+        group_id="busy1",
+        job_id="first",
+        model=MODEL,
+        addresses=["127.0.0.1:1"],
+        idle_s=idle_s,
     )
     return WarmGroup(group=group, bytes_per_node=place.bytes_per_node, chunk_tokens=4096)
 
@@ -231,6 +236,14 @@ def test_a_generate_job_may_join_a_busy_group_of_its_layout_growing_it_by_its_kv
     assert join.plan.chunk_tokens == 4096  # the group's own chunk
     two = Settings(redis_url=None, max_batch=2)
     assert plan_joins(generate(1000), cluster, two)[0].max_batch == 2
+
+
+def test_a_group_that_ends_with_its_job_is_offered_no_joiner():
+    """Its ranks run one job (jobs.settings.group_batch_limit): idle_s 0 means no batch."""
+    cluster = Cluster([gpu("g0", 0)], {}, [])
+    one_shot = busy_single_group(cluster, idle_s=0.0)
+    cluster = Cluster([gpu("g0", 0)], {}, [], busy=[one_shot])
+    assert plan_joins(generate(1000), cluster, SETTINGS) == []
 
 
 @pytest.mark.parametrize(
