@@ -18,7 +18,10 @@ first moves every row right (one copy of the columns they hold); so does a join 
 cannot hold, which also drops the columns no row holds any more (on the left, after longer rows
 left). A row's room ends at its join column + max_tokens (`Rows.limits`), so the buffer never
 needs more than the longest row's prompt and answer plus the longest answer
-(admission.estimate `batch_buffer_tokens`). Leaving moves the last row into the freed one.
+(admission.estimate `batch_buffer_tokens`). Leaving moves the last row into the freed one; the
+last row itself leaves its columns where they are (`vacated`, until the next join), so when the
+batch empties every row that left last still holds its K/V, for the next job on its document
+(ring_worker/batch_serve.py `keep_last_row`).
 
 When every row has the same length (one sequence, or sequences that joined together) the step is
 mlx-lm's own single-sequence path: an integer offset, one slice update, no mask (fused attention).
@@ -182,7 +185,7 @@ class SlotCache:
         assert self.keys is not None and self.values is not None
         have_slots, heads, capacity, dim = self.keys.shape
         if length > capacity:
-            more = _round_up(length, CACHE_STEP_TOKENS) - capacity
+            more = round_up(length, CACHE_STEP_TOKENS) - capacity
             self.keys = _grow(self.keys, 2, more)
             self.values = _grow(self.values, 2, more)
         if slots > have_slots:
@@ -199,7 +202,7 @@ class SlotCache:
         return sum(a.nbytes for a in self.state)
 
 
-def _round_up(value: int, step: int) -> int:
+def round_up(value: int, step: int) -> int:
     return (value + step - 1) // step * step
 
 
@@ -216,15 +219,28 @@ class BatchCache:
     def __init__(self, layers: int, slots: int = 1):
         self.rows = Rows()
         self.layers = [SlotCache(self.rows, slots) for _ in range(layers)]
+        # slots of rows that left as the last row: (first column, length), intact until a join
+        # (steps write at columns past them; a join may write or relayout over them)
+        self.vacated: dict[int, tuple[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def slots(self) -> int:
+        keys = self.layers[0].keys
+        return 0 if keys is None else keys.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].capacity
 
     def add(self, prompt_cache: list[Any], max_tokens: int) -> int:
         """A prefilled sequence (mlx-lm KVCaches, one per layer) becomes the last row, ending at
         the rows' common column, with room for `max_tokens` more positions: its step t
         (1-based) writes column end + t - 1, and it leaves at step max_tokens at the latest."""
         rows, row = self.rows, len(self.rows)
+        self.vacated.clear()
         length = prompt_cache[0].offset
         end = rows.end if row else 0
         if length > end or end + max_tokens > self.layers[0].capacity:
@@ -244,7 +260,7 @@ class BatchCache:
         rows = self.rows
         shift = end - rows.end
         rows.limits = [limit + shift for limit in rows.limits]
-        capacity = _round_up(max([end + max_tokens, *rows.limits]), CACHE_STEP_TOKENS)
+        capacity = round_up(max([end + max_tokens, *rows.limits]), CACHE_STEP_TOKENS)
         start = rows.first  # no row held: start + longest == start, nothing to copy
         for layer in self.layers:
             layer.relayout(capacity, start, start + rows.longest, shift, like)
@@ -254,7 +270,9 @@ class BatchCache:
     def remove(self, row: int) -> None:
         """Drop `row`; the last row moves into its place (the caller reorders to match)."""
         rows, last = self.rows, len(self.rows) - 1
-        if row != last:
+        if row == last:
+            self.vacated[row] = (rows.end - rows.lengths[row], rows.lengths[row])
+        else:
             length = rows.lengths[last]
             for layer in self.layers:
                 layer.move(last, row, rows.end - length, rows.end)
@@ -263,21 +281,28 @@ class BatchCache:
         rows.limits.pop()
         rows.changed()
 
-    def row_prefix(self, row: int, tokens: int) -> list[tuple[mx.array, mx.array]]:
-        """Copies (evaluated, not views of the batch's buffers) of `row`'s first `tokens`
-        positions' K/V, per layer, as (1, kv_heads, tokens, head_dim)."""
+    def row_prefix(
+        self, row: int, tokens: int, view: bool = False
+    ) -> list[tuple[mx.array, mx.array]]:
+        """`row`'s first `tokens` positions' K/V, per layer, as (1, kv_heads, tokens, head_dim):
+        copies (evaluated), or with `view` slices of the batch's buffers (they keep the buffers
+        alive). `row`: a live row, or a `vacated` slot."""
         rows = self.rows
-        if not 0 < tokens <= rows.lengths[row]:
-            raise ValueError(f"row {row} holds {rows.lengths[row]} positions, not {tokens}")
-        start = rows.end - rows.lengths[row]
-        copies: list[tuple[mx.array, mx.array]] = []
+        start, length = (
+            (rows.end - rows.lengths[row], rows.lengths[row])
+            if row < len(rows)
+            else self.vacated.get(row, (0, 0))
+        )
+        if not 0 < tokens <= length:
+            raise ValueError(f"row {row} holds {length} positions, not {tokens}")
+        found: list[tuple[mx.array, mx.array]] = []
         for layer in self.layers:
             assert layer.keys is not None and layer.values is not None
-            keys = mx.contiguous(layer.keys[row : row + 1, :, start : start + tokens])
-            values = mx.contiguous(layer.values[row : row + 1, :, start : start + tokens])
-            copies.append((keys, values))
-        mx.eval(copies)
-        return copies
+            keys = layer.keys[row : row + 1, :, start : start + tokens]
+            values = layer.values[row : row + 1, :, start : start + tokens]
+            found.append((keys, values) if view else (mx.contiguous(keys), mx.contiguous(values)))
+        mx.eval(found)
+        return found
 
     def state(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.state]

@@ -46,6 +46,9 @@ WARM_UP_LENGTHS = (8, 16, 24)  # warm_up's rows: three lengths, so its steps mix
 MEASURED_ROWS = (1, 2, 4)  # row counts whose step time warm_up measures
 MEASURED_STEPS = 8  # timed steps per row count, after two untimed
 LogitsHook = Callable[[list[str], mx.array], None]  # (row keys, (rows, vocab) float32 logits)
+# the batch emptied: its cache and the slot each sequence that left last vacated, by key, before
+# the buffers are dropped (what the hook keeps of them stays alive)
+EmptiedHook = Callable[[BatchCache, dict[str, int]], None]
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class BatchDecoder:
         on_logits: LogitsHook | None = None,
         max_batch: int | None = None,
         compiled: bool | None = None,
+        on_emptied: EmptiedHook | None = None,
     ):
         """`max_batch`, if known, reserves that many rows up front (growing the KV buffers later
         copies every row). `compiled`: steps of two or more rows run layer by layer as compiled
@@ -129,7 +133,7 @@ class BatchDecoder:
         if not batch_decode_supported(engine):
             raise ValueError(f"{type(engine).__name__} with this KV layout cannot batch decode")
         self.engine = engine
-        self.on_logits = on_logits
+        self.on_logits, self.on_emptied = on_logits, on_emptied
         self.fused_rows = install_rows_attention(engine.model)  # CUDA: mixed lengths unmasked
         if self.fused_rows:
             fuse_layers(engine.model)  # and fewer matmuls a step (ring_worker/fused_linears.py)
@@ -267,6 +271,7 @@ class BatchDecoder:
         if not leaving:
             return vote
         order = list(range(len(self._rows)))
+        slots = {self._rows[row].request.key: row for row in leaving}  # vacated if all leave
         for row in sorted(leaving, reverse=True):
             self.cache.remove(row)
             order[row] = order[-1]
@@ -275,6 +280,8 @@ class BatchDecoder:
             self._rows.pop()
         if not self._rows:
             mx.eval(vote)  # the last row's wasted step lets go of the buffers it reads
+            if self.on_emptied is not None:
+                self.on_emptied(self.cache, slots)
             self._release()
             return None
         return mx.take(vote, mx.array(order), axis=1)

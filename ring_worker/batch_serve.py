@@ -29,12 +29,13 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
+from admission.estimate import CACHE_STEP_TOKENS
 from jobs.errors import JobNotFoundError
 from jobs.lifecycle import JobState
 from jobs.prefix_cache import exact_reuse_tokens
 from jobs.schemas import JobKind
 from jobs.tokenizer import ChatTokenizer
-from ring_worker.batch_cache import BatchCache
+from ring_worker.batch_cache import BatchCache, round_up
 from ring_worker.batch_decode import (
     BatchDecoder,
     DecodeRequest,
@@ -47,6 +48,7 @@ from ring_worker.job_io import JobIO
 from ring_worker.job_prefix import memory_room
 from ring_worker.job_report import PROGRESS_INTERVAL_S, ReportClock, enter, kicking, throttled
 from ring_worker.join_budget import JoinBudget, LoopClock, Waiting
+from ring_worker.memory_tier import pinned_bytes
 from ring_worker.prefix_reuse import InMemory, RankPrefixCache
 from ring_worker.rank_main import (
     Prefilled,
@@ -100,7 +102,8 @@ class BatchServer:
         self.watchdog, self.prefix, self.max_batch = watchdog, prefix, max_batch
         # rows grow as jobs join (doubling), not reserved for max_batch up front: the group's
         # reservation grows by each joining job's KV, not by max_batch rows (32 on CUDA)
-        self.decoder = BatchDecoder(engine)
+        self.decoder = BatchDecoder(engine, on_emptied=self.keep_last_row if prefix else None)
+        self.first_row = 0  # columns of the row of the job that began the batch
         self.members: dict[str, _Member] = {}
         self.joins = JoinTimes()
         self.profile: cProfile.Profile | None = None
@@ -165,6 +168,8 @@ class BatchServer:
         enter(io, lead, self.watchdog, JobState.DECODE, len(job.tokens))
         text, clock = DecodeText(io, self.tokenizer, job.spec.stop, lead), ReportClock()
         report = kicking(self.watchdog, throttled(io, lead, clock))
+        if not self.decoder.busy:
+            self.first_row = round_up(len(job.tokens) + job.spec.max_tokens, CACHE_STEP_TOKENS)
         self.decoder.add(self.request(io, job, text, report), job.prefill)
         keep_beside_batch(self.engine, self.prefix, io, job)
         self.members[io.job_id] = _Member(io, without_kv(job), load_s, text, clock)
@@ -180,6 +185,15 @@ class BatchServer:
         known = {key: member.job.tokens for key, member in self.members.items()}
         prompts = [(key, known.get(key, [])) for key in self.decoder.members]  # in row order
         return member_row_prefix(self.decoder.cache, prompts, tokens, at_least)
+
+    def keep_last_row(self, cache: BatchCache, vacated: dict[str, int]) -> None:
+        """The batch emptied: the memory tier keeps a prompt of the jobs that left last
+        (`last_row_memory`)."""
+        assert self.prefix is not None
+        prompts = {key: self.members[key].job.tokens for key in vacated if key in self.members}
+        held = last_row_memory(cache, vacated, prompts, self.first_row)
+        if held is not None:
+            self.prefix.hold(held)
 
     def request(
         self, io: JobIO, job: Prefilled, text: DecodeText, report: ProgressFn
@@ -371,6 +385,27 @@ def member_row_prefix(
     row, key, prompt = best
     layers = cache.row_prefix(row, shared)
     return InMemory(key, prompt[:shared], layers, [(0, shared)], source="batch row")
+
+
+def last_row_memory(
+    cache: BatchCache, vacated: dict[str, int], prompts: dict[str, list[int]], first_row: int
+) -> InMemory | None:
+    """What the memory tier keeps as a batch empties: the longest prompt of the jobs that left
+    last (`vacated`: their slots; `prompts`: theirs), for the next job on its document, as a
+    job run alone leaves its prompt's KV; not recomputed (12-15 s at 128K on an H100) nor read
+    from its file (5.4 s), bench/results/prefix-reuse.md. Only a prompt no longer than
+    `first_row`, the columns of the row of the job that began the batch: the group's
+    reservation counted that row before any join grew it, and keeps it when the batch's growth
+    is given back (jobs/warm_groups.py). A buffer of one slot no longer than that holds nothing
+    else, so its row stays as a view; else the prompt's part is copied (the buffer is freed)."""
+    fits = {key: p for key, p in prompts.items() if key in vacated and 1 < len(p) <= first_row}
+    if not fits:
+        return None
+    key = max(fits, key=lambda k: len(fits[k]))
+    tokens, view = fits[key], cache.slots == 1 and cache.capacity <= first_row
+    layers = cache.row_prefix(vacated[key], len(tokens), view=view)
+    held = pinned_bytes(cache.layers, layers, view)
+    return InMemory(key, list(tokens), layers, [(0, len(tokens))], held)
 
 
 def without_kv(job: Prefilled) -> Prefilled:

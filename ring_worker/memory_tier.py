@@ -20,8 +20,11 @@ for the group on that node. The rule:
   batch row as it joins, and the copy is bounded by the same room at once, not only when the
   next job starts: the row is the job's own KV, so the copy beside it would be counted twice
   over nothing. A job that joined a busy batch has no room (jobs/warm_groups.py grew the
-  reservation by its rows only), so a question arriving while a batch decodes reads the
-  prefix from its disk copy.
+  reservation by its rows only). A question arriving while a batch decodes starts from a
+  member's row instead (a copy of the shared part: ring_worker/batch_serve.py
+  `member_row_prefix`), and one arriving after the batch emptied from the prompt the memory tier
+  kept of the jobs that left last (`last_row_memory`): the group's reservation keeps the row of
+  the job that began the batch, and that prompt is no longer.
 - `ringq run` (no service, no reservation) keeps nothing.
 
 The bytes counted are what the copy keeps alive: a view of the finished job's cache keeps its

@@ -335,6 +335,14 @@ class RankPrefixCache:
     def forget(self) -> None:
         self.memory = None
 
+    def hold(self, held: InMemory) -> None:
+        """Hold a prompt's KV taken elsewhere (a batch's last row: ring_worker/batch_serve.py
+        `keep_last_row`) for the next job, in place of what memory held."""
+        self.memory = held
+        log.info("rank %d: job %s's prompt KV (%d tokens, %d bytes) stays in memory from its "
+                 "batch row", self.view.rank, held.entry_id, len(held.tokens),
+                 held.bytes)  # fmt: skip
+
     def keep(
         self,
         engine: Engine,
