@@ -126,10 +126,6 @@ class Dispatcher:
                 self.memory_waits.drop(record.id)
             else:
                 self.memory_waits.record(record, decision.hold)
-            if (prefilling := job.prefix.pending_job) and wait_for_pending(
-                job.prefix, len(job.tokens)
-            ):  # it will start from that prefill's KV: its ranks keep it on disk
-                PendingPrefixes(self.conn, PENDING_TTL_S).want(prefilling)
             return self.wait(record, decision, again)
         return self.commit(job, decision, {n.name: n for n in cluster.nodes}, again)
 

@@ -154,7 +154,3 @@ def prefix_entry_shards(entry_id: str) -> str:
 
 def prefix_pending(block_key: str) -> str:
     return f"{PREFIX}:prefix:pending:{block_key}"  # job id prefilling this block chain right now
-
-
-def prefix_wanted(job_id: str) -> str:
-    return f"{PREFIX}:prefix:wanted:{job_id}"  # set: a job waits for this job's prefill

@@ -169,15 +169,6 @@ class PendingPrefixes:
             return None
         return _text(cast(bytes | str, owners[blocks - 1])), blocks
 
-    def want(self, job_id: str) -> None:
-        """A job waits for `job_id`'s prefill: its prompt KV will be read back, so its ranks
-        keep it on disk even where a file would not pay for one reuse (jobs/prefix_cache.py)."""
-        self.conn.set(keys.prefix_wanted(job_id), 1, px=int(self.ttl_s * 1000))
-
-    def wanted(self, job_id: str) -> bool:
-        """Whether a job waited for `job_id`'s prefill (asked once: the mark goes)."""
-        return self.conn.getdel(keys.prefix_wanted(job_id)) is not None
-
     def clear(self, job_id: str, model_key: str, tokens: Sequence[int]) -> None:
         names = [keys.prefix_pending(b) for b in block_keys(model_key, tokens)]
         if not names:

@@ -18,7 +18,6 @@ import redis
 from jobs import keys
 from jobs.prefix_cache import (
     BLOCK_TOKENS,
-    PENDING_TTL_S,
     CacheEntry,
     CacheShard,
     Layout,
@@ -27,7 +26,7 @@ from jobs.prefix_cache import (
     worth_a_file,
     worth_keeping,
 )
-from jobs.prefix_index import PendingPrefixes, PrefixIndex, model_key
+from jobs.prefix_index import PrefixIndex, model_key
 from ring_worker.cache_store import CacheStore, node_store, read_cache_file
 from ring_worker.engine import Engine, PrefillResult
 from ring_worker.kv_reshard import ShardKV, build_cache, cache_arrays, clip_ranges, even_split
@@ -361,11 +360,7 @@ class RankPrefixCache:
             return None
         held = sum(stop - start for start, stop in clip_ranges(positions, len(tokens)))
         pays = file_pays_off(prefill, len(tokens), held)
-        # a job waits to start from this prefill (rank 0 asks): the file will be read back
-        wanted = view.rank == 0 and PendingPrefixes(self.index.conn, PENDING_TTL_S).wanted(entry_id)
-        votes = engine.gather_ints(int(pays) | int(wanted) << 1)  # one collective for both
-        every_rank_pays, rank0_wanted = all(v & 1 for v in votes), bool(votes[0] & 2)
-        if not (pinned or rank0_wanted or every_rank_pays):
+        if not (pinned or all(engine.gather_ints(int(pays)))):
             return None  # decided together: each rank's own timing differs a little
         # Failures are logged, never raised, between the two collectives: every rank must
         # reach both, and the job's answer already stands.

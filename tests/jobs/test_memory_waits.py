@@ -13,8 +13,6 @@ from jobs.dispatcher import Dispatcher
 from jobs.head_hold import HeadHold
 from jobs.lifecycle import JobState
 from jobs.memory_waits import MemoryWaits
-from jobs.prefix_cache import PENDING_TTL_S
-from jobs.prefix_index import PendingPrefixes
 from jobs.schemas import JobKind, JobRecord, JobSpec
 from jobs.settings import Settings
 from jobs.submit import enqueue_jobs
@@ -175,21 +173,3 @@ def test_room_that_frees_ends_the_pause_and_the_head_tries_first(dispatcher):
     queued = [(job.args, job.kwargs) for job in dispatcher.queue.get_jobs()]
     # the head now is the older job: its try goes first; the wake's try queued no retry
     assert queued == [(["head"], {"wake": True}), (["later"], {"wake": True}), (["later"], {})]
-
-
-def test_a_job_waiting_for_a_prefill_marks_its_prefix_wanted(dispatcher):
-    """A question on a document another job is prefilling waits for it, and says so: that job's
-    ranks then keep its prompt KV on disk even where one reuse would not pay for the file
-    (jobs/prefix_cache.worth_a_file: a GPU's)."""
-    document = "contract " * 1000
-    for job_id, prompt in (("doc", None), ("question", "Who signs?")):
-        spec = JobSpec(kind=JobKind.GENERATE, document=document, prompt=prompt, model=MODEL)
-        dispatcher.store.create(job_id, spec)
-        time.sleep(0.01)
-    assert dispatcher.admit("doc") == "admitted"
-    pending = PendingPrefixes(dispatcher.conn, PENDING_TTL_S)
-    assert not pending.wanted("doc")
-    assert dispatcher.admit("question") == "waiting"
-    assert "waiting for job doc" in (dispatcher.store.get("question").waiting_reason or "")
-    assert pending.wanted("doc")
-    assert not pending.wanted("doc")  # asked once: the mark goes

@@ -78,8 +78,13 @@ def test_a_question_after_its_documents_batch_ended_starts_from_memory(
     question asked after it has finished reads neither the file nor recomputes."""
     document = LONG_DOCUMENT[4000:8000]
     specs = [
-        JobSpec(kind=JobKind.GENERATE, document=document, prompt=q, model=str(tiny_llama_dir),
-                max_tokens=8)  # fmt: skip
+        JobSpec(
+            kind=JobKind.GENERATE,
+            document=document,
+            prompt=q,
+            model=str(tiny_llama_dir),
+            max_tokens=8,
+        )
         for q in QUESTIONS[:2]
     ]
     store = JobStore(connect(reuse_cluster.url))

@@ -12,8 +12,8 @@ from typing import cast
 import mlx.core as mx
 import pytest
 
-from jobs.prefix_cache import BLOCK_TOKENS, PENDING_TTL_S
-from jobs.prefix_index import PendingPrefixes, PrefixIndex
+from jobs.prefix_cache import BLOCK_TOKENS
+from jobs.prefix_index import PrefixIndex
 from ring_worker.cache_store import node_store
 from ring_worker.engine import Engine
 from ring_worker.group import free_loopback_ports
@@ -106,22 +106,18 @@ def test_a_corrupt_kept_file_is_recomputed(model_dir, redis_conn, tmp_path, capl
         forget(redis_conn, model_dir)
 
 
-def test_a_file_that_would_not_pay_is_written_when_a_job_waits_for_it(
-    model_dir, redis_conn, tmp_path
-):
+def test_a_file_that_would_not_pay_is_not_written(model_dir, redis_conn, tmp_path):
     """A prompt whose file would not pay for one reuse (a GPU's prefill: here one told it took
-    no time at all) stays in memory only, unless a job waits to start from it."""
+    no time at all) stays in memory only."""
     engine = Engine(load_tiny(model_dir))
     cache = single_cache(model_dir, redis_conn, tmp_path, engine)
     tokens = DOC + question(4)
     prefill = replace(engine.prefill(tokens, CHUNK_TOKENS), seconds=1e-9)
-    entry_ids = [f"w{uuid.uuid4().hex[:6]}-{n}" for n in range(2)]
     try:
-        assert cache.keep(engine, entry_ids[0], tokens, prefill, None) is None
+        assert cache.keep(engine, f"w{uuid.uuid4().hex[:6]}", tokens, prefill, None) is None
         assert cache.store.files() == [] and cache.memory is not None
-        PendingPrefixes(redis_conn, PENDING_TTL_S).want(entry_ids[1])
-        kept = cache.keep(engine, entry_ids[1], tokens, prefill, None)
-        assert kept is not None and kept.id == entry_ids[1]
+        slow = replace(prefill, seconds=1e9)  # a CPU's: the file pays
+        assert cache.keep(engine, f"w{uuid.uuid4().hex[:6]}", tokens, slow, None) is not None
         assert len(cache.store.files()) == 1
     finally:
         forget(redis_conn, model_dir)
