@@ -274,13 +274,19 @@ class RankPrefixCache:
     ) -> Reuse | None:
         """This rank's part of the kept prefix every rank of the group can use, if any: the
         longer of the one in memory and a batch member's row (a question joining its
-        document's batch), when it covers at least what the index offers (no file to read).
+        document's batch), when it covers at least what the index offers (no file to read) and
+        a block (BLOCK_TOKENS: a prefill continuing a reused prefix takes no checkpoints, so a
+        shared chat template's head, a few tokens, would cost a long prompt its checkpoints).
         The memory tier is then bounded by `room_bytes` (ring_worker/memory_tier.py)."""
         in_memory = self.memory.reuse(self.view, tokens) if self.memory is not None else None
+        if in_memory is not None and in_memory.tokens < BLOCK_TOKENS:
+            in_memory = None  # a chat template's head: saves nothing, and costs the checkpoints
         kept_blocks = self.index.match(self.model_key, tokens).tokens
         # a row is copied only where it would be taken: a copy beside the memory's, both a
         # 128K document's KV, could run a GPU out of memory
-        at_least = max(kept_blocks, in_memory.tokens + 1 if in_memory is not None else 1)
+        at_least = max(
+            kept_blocks, BLOCK_TOKENS, in_memory.tokens + 1 if in_memory is not None else 1
+        )
         row = self.rows(tokens, at_least) if self.rows is not None else None
         in_row = row.reuse(self.view, tokens) if row is not None else None
         nearby = in_row if in_row is not None else in_memory

@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from admission.estimate import CACHE_STEP_TOKENS
+from jobs.prefix_cache import BLOCK_TOKENS
 from jobs.prefix_index import PrefixIndex
 from ring_worker.batch_cache import BatchCache, round_up
 from ring_worker.batch_decode import BatchDecoder, DecodeRequest
@@ -96,3 +97,22 @@ def test_no_prompt_longer_than_the_first_row_is_kept(tiny_model_dir, first_row):
     decoder.add(DecodeRequest("doc", 4), engine.prefill(prompts["doc"], CHUNK_TOKENS))
     decoder.run()
     assert kept == [None]
+
+
+def test_a_share_under_a_block_is_not_taken(tiny_model_dir, redis_conn, tmp_path):
+    """A chat template's head in common saves nothing, and a prefill that continues a reused
+    prefix takes no checkpoints (ring_worker/rank_main.py `checkpointed_prefill`)."""
+    engine = Engine(load_tiny(tiny_model_dir))
+    prompt = DOC + tokens(12, 4)
+    decoder, kept = emptied_into(engine, {"doc": prompt}, first_row=1024)
+    decoder.add(DecodeRequest("doc", 2), engine.prefill(prompt, CHUNK_TOKENS))
+    decoder.run()
+    [held] = kept
+    view = view_of(engine, "node0", "single", "replicated")
+    prefix = RankPrefixCache(
+        PrefixIndex(redis_conn), node_store(tmp_path, "node0", 10**9), view,
+        f"tiny:{uuid.uuid4().hex}", memory=held,
+    )  # fmt: skip
+    assert prefix.find(engine, DOC[: BLOCK_TOKENS - 1] + tokens(200, 9)) is None
+    found = prefix.find(engine, DOC[:BLOCK_TOKENS] + tokens(200, 9))
+    assert found is not None and found.tokens == BLOCK_TOKENS
