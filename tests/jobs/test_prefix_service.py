@@ -32,6 +32,19 @@ def run_together(store: JobStore, specs: list[JobSpec]) -> list[JobRecord]:
     return wait_for(done, "the questions", timeout_s=300)
 
 
+def questions(document: str, asked: list[str], model: Path, max_tokens: int) -> list[JobSpec]:
+    return [
+        JobSpec(
+            kind=JobKind.GENERATE,
+            document=document,
+            prompt=q,
+            model=str(model),
+            max_tokens=max_tokens,
+        )  # fmt: skip
+        for q in asked
+    ]
+
+
 @pytest.fixture(scope="module")
 def reuse_cluster():
     with private_cluster("pfx", {"RINGQ_PREFILL_CHUNK_TOKENS": "128"}) as running:
@@ -41,16 +54,7 @@ def reuse_cluster():
 @pytest.mark.slow
 def test_questions_on_one_document_prefill_it_once(reuse_cluster, cluster, tiny_llama_dir):
     document = LONG_DOCUMENT[:4000]  # ~700 tokens: a single node (under RINGQ_RING_MIN_TOKENS)
-    specs = [
-        JobSpec(
-            kind=JobKind.GENERATE,
-            document=document,
-            prompt=q,
-            model=str(tiny_llama_dir),
-            max_tokens=12,
-        )  # fmt: skip
-        for q in QUESTIONS
-    ]
+    specs = questions(document, QUESTIONS, tiny_llama_dir, max_tokens=12)
     store = JobStore(connect(reuse_cluster.url))
     reused = run_together(store, specs)
     assert all(r.state == JobState.FINISHED for r in reused), [r.error for r in reused]
@@ -77,16 +81,7 @@ def test_a_question_after_its_documents_batch_ended_starts_from_memory(
     the memory tier keeps its prompt's KV (ring_worker/batch_serve.last_row_memory), so a
     question asked after it has finished reads neither the file nor recomputes."""
     document = LONG_DOCUMENT[4000:8000]
-    specs = [
-        JobSpec(
-            kind=JobKind.GENERATE,
-            document=document,
-            prompt=q,
-            model=str(tiny_llama_dir),
-            max_tokens=8,
-        )
-        for q in QUESTIONS[:2]
-    ]
+    specs = questions(document, QUESTIONS[:2], tiny_llama_dir, max_tokens=8)
     store = JobStore(connect(reuse_cluster.url))
     [first] = run_together(store, specs[:1])
     [second] = run_together(store, specs[1:])
