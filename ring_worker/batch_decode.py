@@ -288,8 +288,9 @@ class BatchDecoder:
 
     def _release(self) -> None:
         """The batch is empty: drop its KV buffers (they only grow while rows come and go) and
-        MLX's cache of freed buffers, so an idle group holds no more than its weights (its
-        reservation's batch share is given back as its last job leaves: jobs/warm_groups.py)."""
+        MLX's cache of freed buffers, so an idle group holds no more than its weights and what
+        `on_emptied` kept (the memory tier's prompt, within the row its reservation keeps; the
+        batch share is given back as its last job leaves: jobs/warm_groups.py)."""
         self.cache = BatchCache(len(self.engine.model.layers), self._slots)
         mx.clear_cache()
 
