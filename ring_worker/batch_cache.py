@@ -185,7 +185,7 @@ class SlotCache:
         assert self.keys is not None and self.values is not None
         have_slots, heads, capacity, dim = self.keys.shape
         if length > capacity:
-            more = round_up(length, CACHE_STEP_TOKENS) - capacity
+            more = _round_up(length, CACHE_STEP_TOKENS) - capacity
             self.keys = _grow(self.keys, 2, more)
             self.values = _grow(self.values, 2, more)
         if slots > have_slots:
@@ -202,7 +202,7 @@ class SlotCache:
         return sum(a.nbytes for a in self.state)
 
 
-def round_up(value: int, step: int) -> int:
+def _round_up(value: int, step: int) -> int:
     return (value + step - 1) // step * step
 
 
@@ -260,7 +260,7 @@ class BatchCache:
         rows = self.rows
         shift = end - rows.end
         rows.limits = [limit + shift for limit in rows.limits]
-        capacity = round_up(max([end + max_tokens, *rows.limits]), CACHE_STEP_TOKENS)
+        capacity = _round_up(max([end + max_tokens, *rows.limits]), CACHE_STEP_TOKENS)
         start = rows.first  # no row held: start + longest == start, nothing to copy
         for layer in self.layers:
             layer.relayout(capacity, start, start + rows.longest, shift, like)

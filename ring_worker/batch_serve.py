@@ -29,13 +29,13 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from admission.estimate import CACHE_STEP_TOKENS
+from admission.estimate import batch_buffer_tokens
 from jobs.errors import JobNotFoundError
 from jobs.lifecycle import JobState
 from jobs.prefix_cache import exact_reuse_tokens
 from jobs.schemas import JobKind
 from jobs.tokenizer import ChatTokenizer
-from ring_worker.batch_cache import BatchCache, round_up
+from ring_worker.batch_cache import BatchCache
 from ring_worker.batch_decode import (
     BatchDecoder,
     DecodeRequest,
@@ -102,8 +102,10 @@ class BatchServer:
         self.watchdog, self.prefix, self.max_batch = watchdog, prefix, max_batch
         # rows grow as jobs join (doubling), not reserved for max_batch up front: the group's
         # reservation grows by each joining job's KV, not by max_batch rows (32 on CUDA)
-        self.decoder = BatchDecoder(engine, on_emptied=self.keep_last_row if prefix else None)
-        self.first_row = 0  # columns of the row of the job that began the batch
+        self.decoder = BatchDecoder(
+            engine, on_emptied=self.keep_last_row if prefix is not None else None
+        )
+        self.first_row = 0  # columns of the row of the job that began the batch, as admitted
         self.members: dict[str, _Member] = {}
         self.joins = JoinTimes()
         self.profile: cProfile.Profile | None = None
@@ -169,7 +171,7 @@ class BatchServer:
         text, clock = DecodeText(io, self.tokenizer, job.spec.stop, lead), ReportClock()
         report = kicking(self.watchdog, throttled(io, lead, clock))
         if not self.decoder.busy:
-            self.first_row = round_up(len(job.tokens) + job.spec.max_tokens, CACHE_STEP_TOKENS)
+            self.first_row = batch_buffer_tokens(len(job.tokens) + job.spec.max_tokens, 0)
         self.decoder.add(self.request(io, job, text, report), job.prefill)
         keep_beside_batch(self.engine, self.prefix, io, job)
         self.members[io.job_id] = _Member(io, without_kv(job), load_s, text, clock)

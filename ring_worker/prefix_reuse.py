@@ -79,9 +79,10 @@ class InMemory:
     bytes: int = 0  # what it keeps alive (ring_worker/memory_tier.py)
     source: str = "memory"  # or "batch row": a decoding member's row (RankPrefixCache.rows)
 
-    def reuse(self, view: RankView, tokens: list[int]) -> Reuse | None:
+    def reuse(self, view: RankView, tokens: list[int], at_least: int = 1) -> Reuse | None:
+        """This rank's cache of the prefix `tokens` share with it, if at least `at_least`."""
         reuse = exact_reuse_tokens(self.tokens, tokens)
-        if reuse <= 0:
+        if reuse < max(at_least, 1):
             return None
         want = clip_ranges(self.ranges, reuse) if view.sharded else [(0, reuse)]
         shard = ShardKV(view.layers.start, tuple(self.ranges), self.layers)
@@ -278,19 +279,17 @@ class RankPrefixCache:
         a block (BLOCK_TOKENS: a prefill continuing a reused prefix takes no checkpoints, so a
         shared chat template's head, a few tokens, would cost a long prompt its checkpoints).
         The memory tier is then bounded by `room_bytes` (ring_worker/memory_tier.py)."""
-        in_memory = self.memory.reuse(self.view, tokens) if self.memory is not None else None
-        if in_memory is not None and in_memory.tokens < BLOCK_TOKENS:
-            in_memory = None  # a chat template's head: saves nothing, and costs the checkpoints
-        kept_blocks = self.index.match(self.model_key, tokens).tokens
+        # a chat template's head (under a block) saves nothing, and costs the checkpoints
+        at_least = max(self.index.match(self.model_key, tokens).tokens, BLOCK_TOKENS)
+        memory = self.memory
+        in_memory = memory.reuse(self.view, tokens, at_least) if memory is not None else None
         # a row is copied only where it would be taken: a copy beside the memory's, both a
         # 128K document's KV, could run a GPU out of memory
-        at_least = max(
-            kept_blocks, BLOCK_TOKENS, in_memory.tokens + 1 if in_memory is not None else 1
-        )
-        row = self.rows(tokens, at_least) if self.rows is not None else None
+        longer = in_memory.tokens + 1 if in_memory is not None else at_least
+        row = self.rows(tokens, longer) if self.rows is not None else None
         in_row = row.reuse(self.view, tokens) if row is not None else None
         nearby = in_row if in_row is not None else in_memory
-        if nearby is not None and nearby.tokens >= kept_blocks:
+        if nearby is not None:
             found = agree_on_reuse(engine, nearby)
             extends_memory = found is not None and found is in_memory
             self.bound_memory(0 if extends_memory else room_bytes)  # now the job's own KV

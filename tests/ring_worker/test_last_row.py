@@ -8,10 +8,10 @@ import uuid
 
 import pytest
 
-from admission.estimate import CACHE_STEP_TOKENS
+from admission.estimate import batch_buffer_tokens
 from jobs.prefix_cache import BLOCK_TOKENS
 from jobs.prefix_index import PrefixIndex
-from ring_worker.batch_cache import BatchCache, round_up
+from ring_worker.batch_cache import BatchCache
 from ring_worker.batch_decode import BatchDecoder, DecodeRequest
 from ring_worker.batch_serve import last_row_memory
 from ring_worker.cache_store import node_store
@@ -75,7 +75,7 @@ def test_the_longest_prompt_that_left_last_stays_in_memory(tiny_model_dir, redis
 def test_a_row_of_its_own_stays_as_a_view(tiny_model_dir, redis_conn, tmp_path):
     engine = Engine(load_tiny(tiny_model_dir))
     prompt = DOC + tokens(12, 4)
-    first_row = round_up(len(prompt) + 16, CACHE_STEP_TOKENS)
+    first_row = batch_buffer_tokens(len(prompt) + 16, 0)
     decoder, kept = emptied_into(engine, {"doc": prompt}, first_row)
     decoder.add(DecodeRequest("doc", 16), engine.prefill(prompt, CHUNK_TOKENS))
     decoder.run()
