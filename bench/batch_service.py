@@ -101,8 +101,10 @@ def run(
     port: int,
     prefix_cache: str,
     logs: Path | None,
+    primer: list[str] = (),
 ) -> tuple[dict, list[list[int]]]:
-    """The run's summary, and the jobs' prompt tokens as the service tokenized them."""
+    """The run's summary, and the jobs' prompt tokens as the service tokenized them. `primer`:
+    documents run as a burst of their own first, in the same warm group, not timed."""
     env = {
         "RINGQ_MAX_BATCH": str(max_batch),
         "RINGQ_NODE_MAX_GROUPS": "1",
@@ -113,6 +115,9 @@ def run(
     with private_cluster(f"bsb{max_batch}", env, node_count=1) as cluster:
         store = JobStore(connect(cluster.url))
         wait_final(store, submit_job(store.conn, spec(model, "Warm up. " * 20, 4)).id)
+        primed = enqueue_jobs(store.conn, [(new_job_id(), spec(model, d, max_tokens)) for d in primer])
+        for job in primed:
+            wait_final(store, job.id)
         submitted = time.time()
         jobs = enqueue_jobs(store.conn, [(new_job_id(), spec(model, d, max_tokens)) for d in docs])
         records = [wait_final(store, job.id) for job in jobs]
@@ -208,6 +213,8 @@ def load_average() -> str:
 @click.option("--port-base", default=36500, show_default=True)
 @click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True)
 @click.option("--mlx-lm", "with_mlx_lm", is_flag=True, help="Also time mlx-lm batch_generate.")
+@click.option("--prime", is_flag=True, help="The batched run's group first runs a burst of as "
+              "many other documents, untimed (its join budget then knows its step times).")
 @click.option("--logs", type=click.Path(path_type=Path), default=None)
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(
@@ -219,11 +226,13 @@ def main(
     port_base: int,
     prefix_cache: str,
     with_mlx_lm: bool,
+    prime: bool,
     logs: Path | None,
     out: Path | None,
 ) -> None:
     tokenizer = load_tokenizer(resolve_model(model, allowed_dirs=None))
-    docs = documents(tokenizer, count, doc_tokens)
+    docs = documents(tokenizer, 2 * count if prime else count, doc_tokens)
+    docs, primer = docs[:count], docs[count:]
     sizes = [len(tokenizer.encode(d, add_special_tokens=False)) for d in docs]
     report: dict = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -234,9 +243,10 @@ def main(
         "uptime_before": load_average(),
     }
     report["prefix_cache"] = prefix_cache
+    report["primed_jobs"] = len(primer)
     batch_logs, alone_logs = (None, None) if logs is None else (logs / "batched", logs / "alone")
     report["batched"], prompts = run(
-        model, docs, max_tokens, max_batch, port_base, prefix_cache, batch_logs
+        model, docs, max_tokens, max_batch, port_base, prefix_cache, batch_logs, primer
     )
     print(json.dumps({k: v for k, v in report["batched"].items() if k != "texts"}), flush=True)
     report["one_at_a_time"], _ = run(

@@ -78,20 +78,23 @@ def simulate(
     oracle: bool = False,
     joins: list[float] | None = None,
     lookahead: bool = False,
+    budget: JoinBudget | None = None,
+    start: float = 0.0,
 ) -> dict:
     """`noise`: each step's time is its modelled one times a draw from a lognormal of this
     sigma (seeded), as a shared host's steps vary. `oracle`: the budget knows every row count's
     step and the prefill before the first job (no learning, no estimates from above). `joins`,
     if given, gets the time each job started its prefill, in queue order."""
     draw = random.Random(seed)
-    budget = JoinBudget(slowdown, warm_up, lookahead=lookahead)
+    if budget is None:
+        budget = JoinBudget(slowdown, warm_up, lookahead=lookahead)
     if oracle:
         for rows in range(1, max_batch + 1):
             for _ in range(RECENT_STEPS):
                 budget.times.saw_step(rows, step_s(rows))
         budget.times.saw_prefill(PROMPT_TOKENS, prefill_s)
-    waiting = [Waiting(str(i), 0.0, PROMPT_TOKENS, max_tokens) for i in range(jobs)]
-    now, members, finished = 0.0, dict[str, int](), dict[str, float]()
+    waiting = [Waiting(str(i), start, PROMPT_TOKENS, max_tokens) for i in range(jobs)]
+    now, members, finished = start, dict[str, int](), dict[str, float]()
     while waiting or members:
         free = waiting[: max_batch - len(members)]
         for job in waiting[: budget.admit(now, dict(members), free)]:
@@ -113,7 +116,8 @@ def simulate(
                 finished[job_id] = now
                 del members[job_id]
                 budget.left(job_id)
-    return outcome([finished[str(i)] for i in range(jobs)], prefill_s, step_s, max_tokens)
+    ends = [finished[str(i)] - start for i in range(jobs)]
+    return outcome(ends, prefill_s, step_s, max_tokens)
 
 
 def outcome(

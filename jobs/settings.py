@@ -117,6 +117,12 @@ class Settings(BaseSettings):
         "one at a time behind the same queue order (ring_worker/join_budget.py; e.g. 1.5). "
         "Unset: no bound, every job joins at once (the most throughput).",
     )
+    join_lookahead: bool = Field(
+        default=False,
+        description="Under RINGQ_MAX_SLOWDOWN, weigh a join against holding it (ring_worker/"
+        "join_lookahead.py) once the group has measured steps at as many rows as its batch and "
+        "queue would fill; off: a job joins as soon as every member still makes its deadline.",
+    )
     batch_profile_dir: Path | None = Field(
         default=None,
         description="Diagnostics: rank 0 of a batching group profiles each batch (cProfile, "

@@ -109,7 +109,9 @@ class BatchServer:
         self.members: dict[str, _Member] = {}
         self.joins = JoinTimes()
         self.profile: cProfile.Profile | None = None
-        self.budget = JoinBudget(ctx.settings.max_slowdown, warm_up)  # rank 0 decides
+        self.budget = JoinBudget(  # rank 0 decides
+            ctx.settings.max_slowdown, warm_up, lookahead=ctx.settings.join_lookahead
+        )
         self.waiting: dict[str, Waiting] = {}  # rank 0: jobs handed over, not started yet
         self.loop_clock = LoopClock(self.budget.times)
         self.held: set[str] = set()  # rank 0: jobs told they wait to join
@@ -336,6 +338,11 @@ class BatchServer:
                      1e3 * budget.planned_step_s, len(self.members) + admitted)  # fmt: skip
         if admitted < len(waiting) and (held := waiting[admitted].job_id) not in self.held:
             self.held.add(held)  # said once per job: it is asked again every step
+            if self.budget.holding:
+                log.info("group %s: job %s waits to join: played forward, the batch and the "
+                         "queue finish sooner with it held (the join lookahead); %s",
+                         self.ctx.group.group_id, held, self.budget.times.table())  # fmt: skip
+                return admitted
             log.info("group %s: job %s waits to join: a member would finish past %.1fx its "
                      "time one at a time (RINGQ_MAX_SLOWDOWN)", self.ctx.group.group_id, held,
                      self.budget.slowdown)  # fmt: skip

@@ -62,6 +62,7 @@ ADDED_ROW_SHARE = 0.25  # each further row's, as a share of a one-row step, befo
 MIN_ROW_SHARE = 0.02  # the least an added row is taken to cost, as a share of the step
 PROBE_STEPS = 3  # steps run at the batch's row count before another row joins
 PLAN_MARGIN = 1.1  # projected times are stretched by this (see above)
+COVERED_SHARE = 0.75  # the lookahead plays a batch of n rows once 0.75 n rows were measured
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,12 @@ class GroupTimes:
     def saw_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.prefill_tok_s = _averaged(self.prefill_tok_s, tokens / seconds)
+
+    def covers(self, rows: int) -> bool:
+        """Whether the group has run PROBE_STEPS steps at COVERED_SHARE of `rows` rows or
+        more: counts up to it are then measured, on a line between measured ones, or a short
+        way above the most measured, not estimated from above far past what was seen."""
+        return any(self.known(n) for n in self.recent_s if n >= COVERED_SHARE * rows)
 
     def known(self, rows: int) -> bool:
         """Whether the group has run PROBE_STEPS steps at `rows` rows."""
@@ -209,6 +216,7 @@ class JoinBudget:
         self.planned_step_s = 0.0  # the step time that join was planned at (its row count)
         self.lookahead = lookahead
         self.held_until = -math.inf  # the lookahead held the head of the queue until then
+        self.holding = False  # the last admit's first waiting job was held by the lookahead
 
     def arrive(self, job: Waiting, prefill_s: float | None = None) -> None:
         """The group sees the job for the first time (`prefill_s`: its measured prefill, where
@@ -231,6 +239,7 @@ class JoinBudget:
     def admit(self, now: float, remaining: dict[str, int], waiting: list[Waiting]) -> int:
         """How many of `waiting` (in order) may join now. `remaining`: each member's tokens
         still to decode, at most."""
+        self.holding = False
         if self.slowdown is None:
             return len(waiting)
         if not remaining:
@@ -248,6 +257,7 @@ class JoinBudget:
             if slack_s < 0:
                 break
             if self.lookahead and not admitted and not self._join_now(now, members, waiting):
+                self.holding = True
                 break
             self.slack_s, self.tightest = slack_s, tightest
             self.planned_step_s = self.times.step(len(members) + 1)
@@ -261,6 +271,8 @@ class JoinBudget:
         half of that."""
         if now < self.held_until:
             return False
+        if not self.times.covers(len(members) + len(waiting)):
+            return True  # the rollouts would run on estimates from above: the rule decides
         queue = [Queued(job.job_id, job.prompt_tokens, job.max_tokens) for job in waiting]
         if join_now(self._plan(), now, members, queue):
             return True

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from bench.join_budget_sim import H200_COMPILED_STEPS, simulate
+from bench.join_budget_sim import H200_COMPILED_STEPS, H200_SERVICE_WARM_UP, simulate
+from ring_worker.join_budget import PROBE_STEPS, JoinBudget, Waiting
 from ring_worker.join_lookahead import HOLD_STEPS, Plan, Queued, join_now, rollout
 
 
@@ -47,3 +48,25 @@ def test_with_every_time_known_the_lookahead_decodes_more_within_the_bound():
     ahead = simulate(32, 0.12, H200_COMPILED_STEPS, 256, 32, 1.5, oracle=True, lookahead=True)
     assert ahead["worst_latency_x"] <= 1.5
     assert ahead["decode_x"] > 1.1 * rule["decode_x"], (ahead, rule)
+
+
+def test_the_lookahead_waits_for_steps_measured_near_the_batch_it_would_play():
+    """Learning its times, a group's first burst has measured only small batches: a rollout
+    would play the queue's flood on estimates from above, so the greedy rule decides. A second
+    burst in the same group, with large batches measured, is played forward, and decodes more
+    than the rule within the bound."""
+    budget = JoinBudget(1.5, H200_SERVICE_WARM_UP, lookahead=True)
+    for _ in range(PROBE_STEPS):
+        budget.times.saw_step(1, H200_COMPILED_STEPS(1))
+    assert not budget.times.covers(32)
+    assert budget._join_now(0.0, {"a": 256}, [Waiting(str(i), 0.0, 1000, 256) for i in range(31)])
+    rule_first = simulate(32, 0.12, H200_COMPILED_STEPS, 256, 32, 1.5, H200_SERVICE_WARM_UP)
+    first = simulate(32, 0.12, H200_COMPILED_STEPS, 256, 32, 1.5, budget=budget)
+    assert first == rule_first  # nothing measured near 32 rows yet: the rule's joins
+    assert budget.times.covers(32)
+    rule = JoinBudget(1.5, H200_SERVICE_WARM_UP)
+    simulate(32, 0.12, H200_COMPILED_STEPS, 256, 32, 1.5, budget=rule)
+    second = simulate(32, 0.12, H200_COMPILED_STEPS, 256, 32, 1.5, budget=budget, start=1e3)
+    rule_second = simulate(32, 0.12, H200_COMPILED_STEPS, 256, 32, 1.5, budget=rule, start=1e3)
+    assert second["worst_latency_x"] <= 1.5
+    assert second["decode_x"] > 1.05 * rule_second["decode_x"], (second, rule_second)
