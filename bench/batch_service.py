@@ -86,6 +86,10 @@ def spec(model: str, document: str, max_tokens: int) -> JobSpec:
     )
 
 
+def specs(model: str, docs: list[str], max_tokens: int) -> list[tuple[str, JobSpec]]:
+    return [(new_job_id(), spec(model, d, max_tokens)) for d in docs]
+
+
 def wait_final(store: JobStore, job_id: str) -> JobRecord:
     while not (record := store.get(job_id)).state.is_final:
         time.sleep(0.05)
@@ -115,11 +119,10 @@ def run(
     with private_cluster(f"bsb{max_batch}", env, node_count=1) as cluster:
         store = JobStore(connect(cluster.url))
         wait_final(store, submit_job(store.conn, spec(model, "Warm up. " * 20, 4)).id)
-        primed = enqueue_jobs(store.conn, [(new_job_id(), spec(model, d, max_tokens)) for d in primer])
-        for job in primed:
+        for job in enqueue_jobs(store.conn, specs(model, primer, max_tokens)):
             wait_final(store, job.id)
         submitted = time.time()
-        jobs = enqueue_jobs(store.conn, [(new_job_id(), spec(model, d, max_tokens)) for d in docs])
+        jobs = enqueue_jobs(store.conn, specs(model, docs, max_tokens))
         records = [wait_final(store, job.id) for job in jobs]
         prompts = [store.get_tokens(job.id) for job in jobs]
         if logs is not None:
