@@ -216,8 +216,12 @@ def load_average() -> str:
 @click.option("--port-base", default=36500, show_default=True)
 @click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True)
 @click.option("--mlx-lm", "with_mlx_lm", is_flag=True, help="Also time mlx-lm batch_generate.")
-@click.option("--prime", is_flag=True, help="The batched run's group first runs a burst of as "
-              "many other documents, untimed (its join budget then knows its step times).")
+@click.option(
+    "--prime",
+    is_flag=True,
+    help="The batched run's group first runs a burst of as "
+    "many other documents, untimed (its join budget then knows its step times).",
+)
 @click.option("--logs", type=click.Path(path_type=Path), default=None)
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(
