@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def spec(model: str, document: str, max_tokens: int) -> JobSpec:
     )
 
 
-def specs(model: str, docs: list[str], max_tokens: int) -> list[tuple[str, JobSpec]]:
+def specs(model: str, docs: Sequence[str], max_tokens: int) -> list[tuple[str, JobSpec]]:
     return [(new_job_id(), spec(model, d, max_tokens)) for d in docs]
 
 
@@ -105,7 +106,7 @@ def run(
     port: int,
     prefix_cache: str,
     logs: Path | None,
-    primer: list[str] = (),
+    primer: Sequence[str] = (),
 ) -> tuple[dict, list[list[int]]]:
     """The run's summary, and the jobs' prompt tokens as the service tokenized them. `primer`:
     documents run as a burst of their own first, in the same warm group, not timed."""
