@@ -238,6 +238,7 @@ class BatchServer:
             self.pace_members()
         if not self.decoder.busy:  # the batch is over: where its time went
             self.loop_clock.batch_ended()
+            self.budget.emptied(time.time())
             log.info("group %s rank %d: batch of %s; %s; the join budget's %s",
                      self.ctx.group.group_id, self.ctx.rank, self.joins.line(),
                      self.decoder.times.line(), self.budget.times.table())  # fmt: skip

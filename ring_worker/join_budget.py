@@ -231,6 +231,14 @@ class JoinBudget:
                 for seen, measured in self._arrived
             ]
 
+    def emptied(self, now: float) -> None:
+        """The batch emptied at `now` (unix time): one at a time is taken to have finished the
+        jobs seen so far by then too, so a job arriving later is not given the time one at a
+        time would still have spent on them (a second burst in a warm group would otherwise get
+        deadlines a whole burst late, and join as if unbounded)."""
+        self._virtual_end = min(self._virtual_end, now)
+        self._arrived = [(job, s) for job, s in self._arrived if job.job_id in self._seen]
+
     def left(self, job_id: str) -> None:
         self.deadlines.pop(job_id, None)
         self.submitted.pop(job_id, None)

@@ -197,6 +197,27 @@ def test_slowdown_below_one_is_refused():
         JoinBudget(0.9)
 
 
+@pytest.mark.parametrize("settled", [False, True])
+def test_a_job_after_the_batch_emptied_is_not_given_the_time_one_at_a_time_still_owed(settled):
+    """Ten jobs submitted at 0 would keep one at a time busy until 20 s. The batch ran them
+    by 5 s, and a job submitted at 6 s is due 3 s after its submission (1.5 x 2 s), not
+    behind 14 s of a backlog the group no longer has."""
+    found = budget()
+    for _ in range(SETTLED_STEPS if settled else 0):
+        found.times.saw_step(1, STEP_S[1])
+    assert found.times.settled == settled
+    for n in range(10):
+        found.arrive(job(n), prefill_s=1.0)
+    found.admit(1.0, {"j0": 10}, [])
+    for n in range(10):
+        found.left(f"j{n}")
+    found.emptied(5.0)
+    late = job(10, submitted=6.0)
+    found.arrive(late, prefill_s=1.0)
+    found.admit(7.0, {"j10": 10}, [])
+    assert found.deadlines["j10"] == pytest.approx(9.0)
+
+
 def test_deadlines_follow_the_step_time_until_it_settles():
     """A first step time is a guess (the step after a join reads that join's own token):
     deadlines move with the group's times until SETTLED_STEPS samples, then stay fixed."""
