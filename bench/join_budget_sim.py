@@ -11,7 +11,8 @@ service's mixed-length steps are slower, host-bound), 256 tokens; and `h200-8b-s
 service's own steps (H200_SERVICE_STEPS: a second row of another length +56 %) with its group's
 warm-up times as the budget's start, also with each step's time drawn noisy (NOISE), and with
 the budget told every step time before the first job (`oracle`: what the rule itself can reach,
-learning aside); the oracle and noisy cells run with the budget's lookahead
+learning aside), and a second burst run by the same group (`primed`: its times learned in the
+first); the oracle, noisy and primed cells run with the budget's lookahead
 (ring_worker/join_lookahead.py) off and on. The group
 learns its times as the service's does (JoinBudget.times: every step and prefill it runs). One at
 a time is the sum of each job's prefill and one-row steps, in queue order. Prints one line per
@@ -141,6 +142,15 @@ def outcome(
             "worst_latency_x": round(worst, digits)}  # fmt: skip
 
 
+def primed(step_s: Callable[[int], float], seed: int, lookahead: bool) -> dict:
+    """The service cell's second burst of 32, run by the group that ran a first one (its join
+    budget's times learned there; the lookahead acts only once they cover the batch it plays)."""
+    budget = JoinBudget(1.5, H200_SERVICE_WARM_UP, lookahead=lookahead)
+    simulate(32, 0.12, step_s, 256, 32, 1.5, noise=NOISE, seed=seed, budget=budget)
+    return simulate(32, 0.12, step_s, 256, 32, 1.5, noise=NOISE, seed=seed + 100, budget=budget,
+                    start=1e3)  # fmt: skip
+
+
 def main() -> None:
     for name, jobs, prefill_s, step_s, max_tokens, max_batch, warm_up in CELLS:
         for slowdown in (None, 1.5):
@@ -160,6 +170,12 @@ def main() -> None:
                              noise=NOISE, seed=seed, lookahead=lookahead)  # fmt: skip
             print(json.dumps({"cell": "h200-8b-service", "noise": NOISE, "seed": seed,
                               "lookahead": lookahead, **found}))  # fmt: skip
+    for cell, steps in (("h200-8b-service", H200_SERVICE_STEPS),
+                        ("h200-8b-service-compiled", H200_COMPILED_STEPS)):  # fmt: skip
+        for seed in range(NOISY_SEEDS):  # a second burst in the same group: its times learned
+            for lookahead in (False, True):
+                print(json.dumps({"cell": cell, "primed": True, "noise": NOISE, "seed": seed,
+                                  "lookahead": lookahead, **primed(steps, seed, lookahead)}))
 
 
 if __name__ == "__main__":

@@ -118,10 +118,11 @@ class Settings(BaseSettings):
         "Unset: no bound, every job joins at once (the most throughput).",
     )
     join_lookahead: bool = Field(
-        default=False,
-        description="Under RINGQ_MAX_SLOWDOWN, weigh a join against holding it (ring_worker/"
-        "join_lookahead.py) once the group has measured steps at as many rows as its batch and "
-        "queue would fill; off: a job joins as soon as every member still makes its deadline.",
+        default=True,
+        description="Under RINGQ_MAX_SLOWDOWN, weigh each join against holding it (ring_worker/"
+        "join_lookahead.py) once the group has measured steps at 3/4 of the rows its batch and "
+        "queue would fill (a warm group's later bursts); off: a job joins as soon as every "
+        "member still makes its deadline.",
     )
     batch_profile_dir: Path | None = Field(
         default=None,

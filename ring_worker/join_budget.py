@@ -201,8 +201,8 @@ class JoinBudget:
         by row count measured before the group's first job (its GPU warm-up, on short rows): its
         ratios to one row bound the estimates from below (GroupTimes.step); they count as no
         step seen, so deadlines still settle on the group's own. `lookahead`: weigh each
-        first join of a turn against holding it (ring_worker/join_lookahead.py); off in the
-        service (see that module: it has only helped where every time was known up front)."""
+        first join of a turn against holding it (ring_worker/join_lookahead.py), once the
+        group's own steps cover the batch a rollout would play (GroupTimes.covers)."""
         if slowdown is not None and slowdown < 1:
             raise ValueError(f"slowdown must be at least 1, got {slowdown}")
         self.slowdown = slowdown

@@ -16,11 +16,16 @@ advances in chunks of CHUNK_STEPS steps (a join waits for a chunk's end).
 
 Measured in bench.join_budget_sim (32 jobs, bound 1.5): told every time up front, 8.17x decode at
 1.47x worst with the compiled step curve (the rule: 6.68x) and 6.51x with the eager one (5.73x).
-Learning its times as the service does, it gained nothing (6.24x against 6.26x; 5.73x against
-5.70x), and with noisy steps it lost 10-20 % (compiled curve, 5 seeds: 5.0-5.9x against
-6.1-6.6x): a rollout takes the budget's estimates from above for unseen batch sizes (a flood
-looks dear) and a noisy median as the truth. So the service runs without it (JoinBudget's
-`lookahead` is off) until it holds up with learned times.
+In a group's first burst, learning its times, it gained nothing and with noisy steps lost 10-20 %
+(compiled curve: 5.0-5.9x against 6.1-6.6x): a rollout took the budget's estimates from above
+for batch sizes not seen yet (a flood of 28 looked dear). So the budget consults it only once
+the group has measured steps at 3/4 of the rows a rollout would play (GroupTimes.covers), which
+a warm group's later bursts have. There, with noisy steps (the `primed` cells, 5 seeds), it
+reached 7.2-8.2x at 1.41-1.54x with the compiled curve against the rule's 6.3-6.6x at
+1.42-1.54x, and 6.1-6.5x against 5.4-5.8x with the eager one. On an H100 through the service
+(bench.batch_service --prime, tree 5ef4618, one run each): 8.02x at 1.39x worst, the rule 7.85x
+at 1.61x; job 0 finished 3.17-3.18 s after submission in both, and the ratios differ by its
+one-at-a-time reference (2.29 s against 1.97 s), bench/results/batch-decode.md.
 """
 
 from collections.abc import Callable
