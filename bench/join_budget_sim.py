@@ -174,8 +174,9 @@ def main() -> None:
                         ("h200-8b-service-compiled", H200_COMPILED_STEPS)):  # fmt: skip
         for seed in range(NOISY_SEEDS):  # a second burst in the same group: its times learned
             for lookahead in (False, True):
+                found = primed(steps, seed, lookahead)
                 print(json.dumps({"cell": cell, "primed": True, "noise": NOISE, "seed": seed,
-                                  "lookahead": lookahead, **primed(steps, seed, lookahead)}))
+                                  "lookahead": lookahead, **found}))  # fmt: skip
 
 
 if __name__ == "__main__":
