@@ -343,10 +343,10 @@ class BatchServer:
                 log.info("group %s: job %s waits to join: played forward, the batch and the "
                          "queue finish sooner with it held (the join lookahead); %s",
                          self.ctx.group.group_id, held, self.budget.times.table())  # fmt: skip
-                return admitted
-            log.info("group %s: job %s waits to join: a member would finish past %.1fx its "
-                     "time one at a time (RINGQ_MAX_SLOWDOWN)", self.ctx.group.group_id, held,
-                     self.budget.slowdown)  # fmt: skip
+            else:
+                log.info("group %s: job %s waits to join: a member would finish past %.1fx "
+                         "its time one at a time (RINGQ_MAX_SLOWDOWN)",
+                         self.ctx.group.group_id, held, self.budget.slowdown)  # fmt: skip
         return admitted
 
     def waiting_job(self, io: JobIO) -> Waiting:
