@@ -25,7 +25,15 @@ queue order: the one-at-a-time run's service times (prefill start -> finished), 
 order up to it. One at a time, waiting jobs retry admission every RINGQ_ADMIT_RETRY_S, so they
 need not run in queue order; the sum is what they take in order, and it leaves out the gaps
 between jobs, so it is the stricter reference (the measured `latencies_s` of both runs are in
-the JSON). With --mlx-lm, mlx-lm's `batch_generate` then runs the same prompt tokens (the
+the JSON).
+
+With --rounds R each run submits R bursts of other documents, each once the last has finished:
+the batched group's first burst is a fresh group's, the later ones a warm group's (its join
+budget has measured its steps). `bursts` compares each burst with the same burst one at a time,
+and also against each job's median service time one at a time over the R bursts
+(`worst_latency_median_reference`): one burst's reference for job 0 is a single sample. The
+top-level `batched`, `one_at_a_time`, `ratio` and `latency_ratio` are the first burst's. With
+--mlx-lm, mlx-lm's `batch_generate` then runs the same prompt tokens (the
 service's, read from its store) in this process at its defaults: its wall time against the
 batched run's makespan is the end-to-end ratio. With --logs, each run's service and rank logs
 (a batch's time breakdown is one line of rank 0's log when it empties) are copied there. The
@@ -62,18 +70,25 @@ STRIDE_TOKENS = 211  # where each document's window starts, after the previous o
 STARVATION_GOAL = 1.5  # issue 14: batched latency / one at a time, per job, at most
 
 
-def documents(tokenizer: ChatTokenizer, count: int, tokens: int) -> list[str]:
-    """`count` distinct texts of about `tokens` tokens (each a few shorter than the last)."""
+def documents(
+    tokenizer: ChatTokenizer, count: int, tokens: int, rounds: int = 1
+) -> list[list[str]]:
+    """`rounds` bursts of `count` distinct texts of about `tokens` tokens (each a few shorter
+    than the last; the k-th of every burst as long as the k-th of the first, and no text
+    repeated: a repeated document's KV would be reused)."""
     text = " ".join(files("cli").joinpath("demo/document.md").read_text().split())
     ids = tokenizer.encode(text, add_special_tokens=False)
-    needed = STRIDE_TOKENS * count + tokens
+    needed = STRIDE_TOKENS * count * rounds + tokens
     ids = ids * -(-needed // len(ids))  # tiled: a byte-level model's tokens are characters
-    found = []
-    for i in range(count):
-        start = i * STRIDE_TOKENS
-        window = ids[start : start + tokens - 8 * (i % 5)]
-        found.append(f"Document {i}. " + tokenizer.decode(window))
-    return found
+    bursts = []
+    for burst in range(rounds):
+        found = []
+        for i in range(count):
+            start = (burst * count + i) * STRIDE_TOKENS
+            window = ids[start : start + tokens - 8 * (i % 5)]
+            found.append(f"Document {burst * count + i}. " + tokenizer.decode(window))
+        bursts.append(found)
+    return bursts
 
 
 def spec(model: str, document: str, max_tokens: int) -> JobSpec:
@@ -100,16 +115,15 @@ def wait_final(store: JobStore, job_id: str) -> JobRecord:
 
 def run(
     model: str,
-    docs: list[str],
+    bursts: list[list[str]],
     max_tokens: int,
     max_batch: int,
     port: int,
     prefix_cache: str,
     logs: Path | None,
-    primer: Sequence[str] = (),
-) -> tuple[dict, list[list[int]]]:
-    """The run's summary, and the jobs' prompt tokens as the service tokenized them. `primer`:
-    documents run as a burst of their own first, in the same warm group, not timed."""
+) -> tuple[list[dict], list[list[int]]]:
+    """Each burst's summary (a burst is submitted once the one before has finished, to the same
+    warm group), and the first burst's prompt tokens as the service tokenized them."""
     env = {
         "RINGQ_MAX_BATCH": str(max_batch),
         "RINGQ_NODE_MAX_GROUPS": "1",
@@ -117,18 +131,21 @@ def run(
         "RINGQ_GROUP_IDLE_S": "120",
         "RINGQ_RANK_PORT_BASE": str(port),
     }
+    summaries: list[dict] = []
+    prompts: list[list[int]] = []
     with private_cluster(f"bsb{max_batch}", env, node_count=1) as cluster:
         store = JobStore(connect(cluster.url))
         wait_final(store, submit_job(store.conn, spec(model, "Warm up. " * 20, 4)).id)
-        for job in enqueue_jobs(store.conn, specs(model, primer, max_tokens)):
-            wait_final(store, job.id)
-        submitted = time.time()
-        jobs = enqueue_jobs(store.conn, specs(model, docs, max_tokens))
-        records = [wait_final(store, job.id) for job in jobs]
-        prompts = [store.get_tokens(job.id) for job in jobs]
+        for docs in bursts:
+            submitted = time.time()
+            jobs = enqueue_jobs(store.conn, specs(model, docs, max_tokens))
+            records = [wait_final(store, job.id) for job in jobs]
+            summaries.append(summary(records, submitted, max_batch))
+            print(json.dumps({k: v for k, v in summaries[-1].items() if k != "texts"}), flush=True)
+            prompts = prompts or [store.get_tokens(job.id) for job in jobs]
         if logs is not None:
             shutil.copytree(cluster.settings.home / "logs", logs, dirs_exist_ok=True)
-    return summary(records, submitted, max_batch), prompts
+    return summaries, prompts
 
 
 def summary(records: list[JobRecord], submitted: float, max_batch: int) -> dict:
@@ -179,6 +196,36 @@ def latency_ratio(batched_s: list[float], alone_service_s: list[float]) -> dict:
     }
 
 
+def by_job(alone: list[dict]) -> list[tuple[float, ...]]:
+    """The k-th job's service times one at a time, one per burst (the k-th document of each
+    burst is as long)."""
+    return list(zip(*(burst["service_s"] for burst in alone), strict=True))
+
+
+def median_service_s(alone: list[dict]) -> list[float]:
+    """The k-th job's service time one at a time: its median over the bursts. One burst's
+    times alone spread widely (an H200's 1st-99th percentiles 1.54-2.30 s around 1.75,
+    bench/results/batch-decode.md), and a job's reference is one of them."""
+    return [statistics.median(times) for times in by_job(alone)]
+
+
+def compare(batched: dict, alone: dict, reference_s: list[float]) -> dict:
+    """One burst batched against the same burst one at a time, and against `reference_s`."""
+    # a random model's byte-level tokenizer decodes its tokens past 255 to nothing: an empty
+    # pair compares nothing (the H200 runs' "32 of 32 identical" before 2026-12-05 were such)
+    pairs = [(a, b) for a, b in zip(batched["texts"], alone["texts"], strict=True) if a or b]
+    by_median = latency_ratio(batched["latencies_s"], reference_s)
+    return {
+        "decode_tok_s": batched["decode_tok_s"] / alone["decode_tok_s"],
+        "makespan": alone["makespan_s"] / batched["makespan_s"],
+        "worst_latency": latency_ratio(batched["latencies_s"], alone["service_s"])["max"],
+        "worst_latency_median_reference": by_median["max"],
+        "worst_job_median_reference": by_median["per_job"].index(by_median["max"]),
+        "identical_texts": sum(a == b for a, b in pairs),
+        "compared_texts": len(pairs),
+    }
+
+
 def mlx_lm_end_to_end(model: str, prompts: list[list[int]], max_tokens: int) -> dict:
     """mlx-lm's batch_generate over the same prompt tokens, all in one batch, its prefill step
     its default, stopping at the model's EOS as the service does; the model is loaded as a
@@ -218,10 +265,13 @@ def load_average() -> str:
 @click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True)
 @click.option("--mlx-lm", "with_mlx_lm", is_flag=True, help="Also time mlx-lm batch_generate.")
 @click.option(
-    "--prime",
-    is_flag=True,
-    help="The batched run's group first runs a burst of as "
-    "many other documents, untimed (its join budget then knows its step times).",
+    "--rounds",
+    default=1,
+    show_default=True,
+    help="Bursts of --jobs other documents each run submits, one after another, to its warm "
+    "group: the batched group's first burst is a fresh group's, later ones a warm group's "
+    "(its join budget knows its step times); each job's one-at-a-time reference is also the "
+    "median over the bursts.",
 )
 @click.option("--logs", type=click.Path(path_type=Path), default=None)
 @click.option("--out", type=click.Path(path_type=Path), default=None)
@@ -234,14 +284,13 @@ def main(
     port_base: int,
     prefix_cache: str,
     with_mlx_lm: bool,
-    prime: bool,
+    rounds: int,
     logs: Path | None,
     out: Path | None,
 ) -> None:
     tokenizer = load_tokenizer(resolve_model(model, allowed_dirs=None))
-    docs = documents(tokenizer, 2 * count if prime else count, doc_tokens)
-    docs, primer = docs[:count], docs[count:]
-    sizes = [len(tokenizer.encode(d, add_special_tokens=False)) for d in docs]
+    bursts = documents(tokenizer, count, doc_tokens, rounds)
+    sizes = [len(tokenizer.encode(d, add_special_tokens=False)) for d in bursts[0]]
     report: dict = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(["python -m bench.batch_service", *sys.argv[1:]]),
@@ -251,37 +300,34 @@ def main(
         "uptime_before": load_average(),
     }
     report["prefix_cache"] = prefix_cache
-    report["primed_jobs"] = len(primer)
+    report["rounds"] = rounds
     batch_logs, alone_logs = (None, None) if logs is None else (logs / "batched", logs / "alone")
-    report["batched"], prompts = run(
-        model, docs, max_tokens, max_batch, port_base, prefix_cache, batch_logs, primer
+    batched, prompts = run(
+        model, bursts, max_tokens, max_batch, port_base, prefix_cache, batch_logs
     )
-    print(json.dumps({k: v for k, v in report["batched"].items() if k != "texts"}), flush=True)
-    report["one_at_a_time"], _ = run(
-        model, docs, max_tokens, 1, port_base + 100, prefix_cache, alone_logs
-    )
-    print(json.dumps({k: v for k, v in report["one_at_a_time"].items() if k != "texts"}))
+    alone, _ = run(model, bursts, max_tokens, 1, port_base + 100, prefix_cache, alone_logs)
     report["uptime_after"] = load_average()
-    batched, alone = report["batched"], report["one_at_a_time"]
-    # a random model's byte-level tokenizer decodes its tokens past 255 to nothing: an empty
-    # pair compares nothing (the H200 runs' "32 of 32 identical" before 2026-12-05 were such)
-    pairs = [(a, b) for a, b in zip(batched["texts"], alone["texts"], strict=True) if a or b]
-    report["ratio"] = {
-        "decode_tok_s": batched["decode_tok_s"] / alone["decode_tok_s"],
-        "makespan": alone["makespan_s"] / batched["makespan_s"],
-        "identical_texts": sum(a == b for a, b in pairs),
-        "compared_texts": len(pairs),
+    report["batched"], report["one_at_a_time"] = batched[0], alone[0]  # the first burst
+    report["later_bursts"] = {"batched": batched[1:], "one_at_a_time": alone[1:]}
+    reference_s = median_service_s(alone)
+    report["reference_service_s"] = {
+        "median": reference_s,
+        "min": [min(times) for times in by_job(alone)],
+        "max": [max(times) for times in by_job(alone)],
     }
-    report["latency_ratio"] = latency_ratio(batched["latencies_s"], alone["service_s"])
+    report["bursts"] = [compare(b, a, reference_s) for b, a in zip(batched, alone, strict=True)]
+    first = ("decode_tok_s", "makespan", "identical_texts", "compared_texts")
+    report["ratio"] = {k: report["bursts"][0][k] for k in first}
+    report["latency_ratio"] = latency_ratio(batched[0]["latencies_s"], alone[0]["service_s"])
     if with_mlx_lm:
         report["mlx_lm_batch_generate"] = mlx_lm_end_to_end(model, prompts, max_tokens)
         report["ratio"]["end_to_end_vs_mlx_lm"] = (
-            report["mlx_lm_batch_generate"]["wall_s"] / batched["makespan_s"]
+            report["mlx_lm_batch_generate"]["wall_s"] / batched[0]["makespan_s"]
         )
     name = model.replace("/", "_").replace(":", "_")
     path = out or RESULTS / f"batch-service-{name}.json"
     path.write_text(json.dumps(report, indent=1))
-    shown = {k: report[k] for k in ("ratio", "latency_ratio", "uptime_after")}
+    shown = {k: report[k] for k in ("ratio", "bursts", "uptime_after")}
     shown["latency_ratio"] = {k: v for k, v in report["latency_ratio"].items() if k != "per_job"}
     print(json.dumps(shown, indent=1))
 

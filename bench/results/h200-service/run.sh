@@ -70,10 +70,12 @@ PY
       tar czf "$out/logs-prefix.tgz" -C /tmp/logs prefix
       ;;
     batch)  # defaults (prefix cache on); mlx-lm batch_generate on the same prompts after
-      # BATCH_ARGS: more options (--prime); BATCH_MLX_LM="": skip mlx-lm
+      # BATCH_ROUNDS bursts each side (the first a fresh group's, the rest a warm group's; the
+      # references their medians); BATCH_ARGS: more options; BATCH_MLX_LM="": skip mlx-lm
       rm -rf /tmp/logs/batch
       timeout ${BATCH_TIMEOUT:-540} python3 -m bench.batch_service --model $model --jobs 32 \
         --doc-tokens 4096 --max-tokens 256 --max-batch 32 ${BATCH_MLX_LM---mlx-lm} \
+        --rounds ${BATCH_ROUNDS:-3} \
         ${BATCH_ARGS:-} --logs /tmp/logs/batch --out "$out/batch-service-h200${BATCH_TAG:-}.json"
       tar czf "$out/logs-batch${BATCH_TAG:-}.tgz" -C /tmp/logs batch
       ;;
