@@ -1,7 +1,8 @@
 """What can any order of joins reach? A search over schedules of the simulated H200 service cell
 of bench.join_budget_sim (issue 14's 32 jobs x 256 tokens, the service's measured step curve, a
-0.12 s prefill), with every time known, against the join budget's own rule told every time up
-front (its oracle cell).
+0.12 s prefill), or of its CPU cell (`--curve cpu`: 8 SmolLM2 jobs x 64 tokens, a 2.36 s
+prefill, 85 ms a step + 8.3 ms a row), with every time known, against the join budget's own
+rule told every time up front (its oracle cell).
 
 The device does one thing at a time: a step of every member, or a joiner's prefill, which stalls
 every member (a prefill on a second stream beside the steps hid nothing: bench.overlap_probe).
@@ -22,6 +23,7 @@ the steps the service measured with compiled steps (bench.join_budget_sim H200_C
     uv run python -m bench.join_schedule_search                 # bounds 1.5, 2 and 3
     uv run python -m bench.join_schedule_search --bounds 1.5 --scale 1,0.9,0.8
     uv run python -m bench.join_schedule_search --bounds 1.5 --curve compiled
+    uv run python -m bench.join_schedule_search --bounds 1.5,1.3 --curve cpu
 """
 
 import json
@@ -34,35 +36,48 @@ import numpy as np
 
 from bench.join_budget_sim import H200_COMPILED_STEPS, H200_SERVICE_STEPS, simulate
 
-JOBS, PREFILL_S, MAX_TOKENS = 32, 0.12, 256
+JOBS, PREFILL_S, MAX_TOKENS = 32, 0.12, 256  # the H200 cell
 FOUND = [0, 110, 159, 315] + [366] * (JOBS - 4)  # the best at bound 1.5, scale 1
+CPU_JOBS, CPU_PREFILL_S, CPU_MAX_TOKENS = 8, 2.36, 64
+CPU_FOUND = [0, 0] + [CPU_MAX_TOKENS] * (CPU_JOBS - 2)  # the best at bound 1.5
+
+
+def cpu_steps(n: int) -> float:
+    return 0.085 + 0.0083 * (n - 1)
 
 
 class Cell:
     """The cell's times: step seconds by member count (0 members: no step)."""
 
-    def __init__(self, step_s: Callable[[int], float]):
-        self.step_s = np.array([0.0] + [step_s(n) for n in range(1, JOBS + 1)])
-        alone = PREFILL_S + MAX_TOKENS * self.step_s[1]
-        self.alone_in_order = alone * np.arange(1, JOBS + 1)
+    def __init__(
+        self,
+        step_s: Callable[[int], float],
+        jobs: int = JOBS,
+        prefill_s: float = PREFILL_S,
+        max_tokens: int = MAX_TOKENS,
+    ):
+        self.jobs, self.prefill_s, self.max_tokens = jobs, prefill_s, max_tokens
+        self.step_s = np.array([0.0] + [step_s(n) for n in range(1, jobs + 1)])
+        alone = prefill_s + max_tokens * self.step_s[1]
+        self.alone_in_order = alone * np.arange(1, jobs + 1)
 
     def run(self, joins: list[int]) -> tuple[float, np.ndarray]:
         """Summed step seconds, and each job's end, when job k joins before step joins[k]."""
-        starts = np.asarray(joins)
-        steps = starts.max() + MAX_TOKENS
+        starts, tokens = np.asarray(joins), self.max_tokens
+        steps = starts.max() + tokens
         change = np.zeros(steps + 1, int)
         np.add.at(change, starts, 1)
-        np.add.at(change, starts + MAX_TOKENS, -1)
+        np.add.at(change, starts + tokens, -1)
         members = np.cumsum(change)[:steps]
         stall = np.zeros(steps)
-        np.add.at(stall, starts, PREFILL_S)
+        np.add.at(stall, starts, self.prefill_s)
         step_s = self.step_s[members]
-        ends = np.cumsum(step_s + stall)[starts + MAX_TOKENS - 1]
+        ends = np.cumsum(step_s + stall)[starts + tokens - 1]
         return float(step_s.sum()), ends
 
     def outcome(self, joins: list[int]) -> dict:
         stepped_s, ends = self.run(joins)
-        decode = JOBS * MAX_TOKENS * self.step_s[1] / stepped_s
+        decode = self.jobs * self.max_tokens * self.step_s[1] / stepped_s
         worst = float((ends / self.alone_in_order).max())
         return {"decode_x": round(decode, 2), "worst_latency_x": round(worst, 3)}
 
@@ -78,9 +93,9 @@ def anneal(cell: Cell, bound: float, start: list[int], moves: int, seed: int) ->
     best, best_score = list(joins), now
     for move in range(moves):
         heat = 0.3 * (1 - move / moves) + 1e-4
-        trial, job = list(joins), draw.randrange(JOBS)
+        trial, job = list(joins), draw.randrange(cell.jobs)
         shift = draw.choice((-1, 1)) * draw.choice((1, 2, 5, 10, 30, 100))
-        for k in range(job, JOBS if draw.random() < 0.5 else job + 1):
+        for k in range(job, cell.jobs if draw.random() < 0.5 else job + 1):
             trial[k] = max(0, trial[k] + shift)
         score = cell.score(trial, bound)
         if score <= now or draw.random() < math.exp((now - score) / heat):
@@ -90,11 +105,20 @@ def anneal(cell: Cell, bound: float, start: list[int], moves: int, seed: int) ->
     return best
 
 
-CURVES = {"service": H200_SERVICE_STEPS, "compiled": H200_COMPILED_STEPS}
+CURVES = {"service": H200_SERVICE_STEPS, "compiled": H200_COMPILED_STEPS, "cpu": cpu_steps}
 
 
 def scaled(curve: str, factor: float) -> Callable[[int], float]:
     return lambda n: CURVES[curve](n) * (factor if n > 1 else 1.0)
+
+
+def cell_for(curve: str, factor: float) -> tuple[Cell, list[int]]:
+    """The curve's cell (its steps scaled by `factor` from 2 rows on) and the best schedule
+    found before there."""
+    steps = scaled(curve, factor)
+    if curve == "cpu":
+        return Cell(steps, CPU_JOBS, CPU_PREFILL_S, CPU_MAX_TOKENS), CPU_FOUND
+    return Cell(steps), FOUND
 
 
 @click.command()
@@ -105,14 +129,17 @@ def scaled(curve: str, factor: float) -> Callable[[int], float]:
 @click.option("--seeds", default=2, show_default=True)
 def main(bounds: str, scale: str, curve: str, moves: int, seeds: int) -> None:
     for factor in (float(f) for f in scale.split(",")):
-        steps = scaled(curve, factor)
-        cell = Cell(steps)
+        cell, found_before = cell_for(curve, factor)
+        jobs, tokens, steps = cell.jobs, cell.max_tokens, scaled(curve, factor)
         for bound in (float(b) for b in bounds.split(",")):
-            rule = simulate(JOBS, PREFILL_S, steps, MAX_TOKENS, JOBS, bound, oracle=True)
+            rule = simulate(jobs, cell.prefill_s, steps, tokens, jobs, bound, oracle=True)
             line = {"scale": factor, "bound": bound, "the rule (told every time)": rule}
             print(json.dumps(line), flush=True)
-            flood = [0] + [MAX_TOKENS] * (JOBS - 1)
-            for name, start in {"found before": FOUND, "job 0, then the rest": flood}.items():
+            flood = [0] + [tokens] * (jobs - 1)
+            for name, start in {
+                "found before": found_before,
+                "job 0, then the rest": flood,
+            }.items():
                 for seed in range(seeds):
                     best = anneal(cell, bound, start, moves, seed)
                     found = {"scale": factor, "bound": bound, "start": name, "seed": seed}
