@@ -23,9 +23,10 @@ the group has measured steps at 3/4 of the rows a rollout would play (GroupTimes
 a warm group's later bursts have. There, with noisy steps (the `primed` cells, 5 seeds), it
 reached 7.2-8.2x at 1.41-1.54x with the compiled curve against the rule's 6.3-6.6x at
 1.42-1.54x, and 6.1-6.5x against 5.4-5.8x with the eager one. On an H100 through the service
-(bench.batch_service --prime, tree 5ef4618, one run each): 8.02x at 1.39x worst, the rule 7.85x
-at 1.61x; job 0 finished 3.17-3.18 s after submission in both, and the ratios differ by its
-one-at-a-time reference (2.29 s against 1.97 s), bench/results/batch-decode.md.
+(bench.batch_service --prime at tree 5ef4618, now --rounds' later bursts; one run each): 8.02x
+at 1.39x worst, the rule 7.85x at 1.61x; job 0 finished 3.17-3.18 s after submission in both,
+and the ratios differ by its one-at-a-time reference (2.29 s against 1.97 s),
+bench/results/batch-decode.md.
 """
 
 from collections.abc import Callable
