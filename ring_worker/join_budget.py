@@ -63,6 +63,7 @@ MIN_ROW_SHARE = 0.02  # the least an added row is taken to cost, as a share of t
 PROBE_STEPS = 3  # steps run at the batch's row count before another row joins
 PLAN_MARGIN = 1.1  # projected times are stretched by this (see above)
 COVERED_SHARE = 0.75  # the lookahead plays a batch of n rows once 0.75 n rows were measured
+FIRST_READ_OFF = 0.1  # the log names a count whose first probe read this share off its median
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class GroupTimes:
     warm_up_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds, short rows
     step_s: dict[int, float] = field(default_factory=dict)  # rows -> median of recent steps
     recent_s: dict[int, deque[float]] = field(default_factory=dict)  # rows -> recent steps
+    first_s: dict[int, float] = field(default_factory=dict)  # rows -> its first probe's median
     prefill_tok_s: float | None = None
     steps_seen: int = 0
 
@@ -93,6 +95,8 @@ class GroupTimes:
         recent = self.recent_s.setdefault(rows, deque(maxlen=RECENT_STEPS))
         recent.append(seconds)
         self.step_s[rows] = statistics.median(recent)
+        if len(recent) == PROBE_STEPS and rows not in self.first_s:
+            self.first_s[rows] = self.step_s[rows]  # what the count's first joins planned with
         self.steps_seen += 1
 
     def saw_prefill(self, tokens: int, seconds: float) -> None:
@@ -152,10 +156,17 @@ class GroupTimes:
         return max(1.0, at(rows) / at(low)) if at(low) > 0 else 1.0
 
     def table(self) -> str:
-        """The step times it goes by, in ms by row count, and its prefill rate (for the log)."""
+        """The step times it goes by, in ms by row count; the counts whose first PROBE_STEPS
+        steps read more than FIRST_READ_OFF off what they read now (a join there was planned
+        with those: on an H100 2 and 3 rows first read 6.1 and 6.6 ms, later 8.9 and 9.5,
+        bench/results/batch-decode.md, eighteenth session); and its prefill rate (for the log)."""
         steps = ", ".join(f"{n}: {1e3 * s:.1f}" for n, s in sorted(self.step_s.items()))
+        off = {n: s for n, s in sorted(self.first_s.items())
+               if abs(s - self.step_s[n]) > FIRST_READ_OFF * self.step_s[n]}  # fmt: skip
+        first = ", ".join(f"{n}: {1e3 * s:.1f}" for n, s in off.items())
         rate = f"{self.prefill_tok_s / 1e3:.1f}K tok/s" if self.prefill_tok_s else "none seen"
-        return f"step ms by rows {{{steps}}}, prefill {rate}"
+        read = f", first read {{{first}}}" if off else ""
+        return f"step ms by rows {{{steps}}}{read}, prefill {rate}"
 
     def _share_over_one_row(self, rows: int) -> float:
         """A step of `rows` rows as a multiple of a one-row step, no more rows seen: the priors,

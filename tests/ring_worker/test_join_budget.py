@@ -279,3 +279,19 @@ def test_above_the_most_rows_seen_a_count_grows_at_least_as_the_warm_up_did():
     assert times.table() == "step ms by rows {1: 6.0, 2: 10.0}, prefill none seen"
     times.saw_prefill(4096, 0.128)
     assert times.table().endswith("prefill 32.0K tok/s")
+
+
+def test_the_log_names_a_count_whose_first_steps_read_low():
+    """Two rows first read 6 ms (the joins to come were planned with that), then 9 ms: the
+    table names the first read; one row, steady at 7 ms, is not named."""
+    times = GroupTimes()
+    for _ in range(PROBE_STEPS):
+        times.saw_step(1, 0.007)
+        times.saw_step(2, 0.006)
+    assert times.table() == "step ms by rows {1: 7.0, 2: 6.0}, prefill none seen"
+    for _ in range(2 * PROBE_STEPS):
+        times.saw_step(1, 0.007)
+        times.saw_step(2, 0.009)
+    assert (
+        times.table() == "step ms by rows {1: 7.0, 2: 9.0}, first read {2: 6.0}, prefill none seen"
+    )
