@@ -17,6 +17,7 @@
 #   bash bench/results/h200-service/run.sh overlap     # a joiner's prefill beside the batch's steps (second stream; layer slices)
 #   bash bench/results/h200-service/run.sh compiled    # compiled decode steps against op by op: logits, step times
 #   bash bench/results/h200-service/run.sh store       # does a K/V store copy the buffers (eager, dynamic, compiled)
+#   bash bench/results/h200-service/run.sh slots       # does a compiled step cost by its rows or its buffer's slots
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -68,6 +69,10 @@ PY
         --questions 8 --max-tokens 32 --nodes 1 --logs /tmp/logs/prefix \
         --modes ${PREFIX_MODES:-both} --out "$out/prefix-reuse-service-h200${PREFIX_MODES:+-$PREFIX_MODES}.json"
       tar czf "$out/logs-prefix.tgz" -C /tmp/logs prefix
+      ;;
+    slots)
+      timeout 300 python3 -m bench.slots_probe --model $model --rows ${SLOTS_ROWS:-2,4,8,16} \
+        --slots 32 --out "$out/slots-probe${SLOTS_TAG:-}.json"
       ;;
     batch)  # defaults (prefix cache on); mlx-lm batch_generate on the same prompts after
       # BATCH_ROUNDS bursts each side (the first a fresh group's, the rest a warm group's; the
