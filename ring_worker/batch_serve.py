@@ -231,9 +231,11 @@ class BatchServer:
         """One decode step, timed for the join budget as the loop runs it (LoopClock)."""
         self.loop_clock.step_began(len(self.members), time.perf_counter())
         results = self.decoder.step()
-        self.loop_clock.step_ended(time.perf_counter())
+        ended = time.perf_counter()
+        self.loop_clock.step_ended(ended)
         for result in results:
             self.finish(result)
+        self.joins.results_s += time.perf_counter() - ended
         if results:
             self.pace_members()
         if not self.decoder.busy:  # the batch is over: where its time went
@@ -362,19 +364,22 @@ class BatchServer:
 
 @dataclass
 class JoinTimes:
-    """One batch's jobs joining, in seconds on this rank: all of `start` (prefill and the rest:
-    its records, the copy into its row, keeping its prompt's KV) and the hand-off between steps
-    (`take_joined`: a Redis pop, a collective and a vote per job)."""
+    """One batch's jobs joining and leaving, in seconds on this rank: all of `start` (prefill
+    and the rest: its records, the copy into its row, keeping its prompt's KV), the hand-off
+    between steps (`take_joined`: a Redis pop, a collective and a vote per job), and the
+    results of the jobs that left (`finish`: a collective, the result's records, its text).
+    The join budget's step samples hold the last: a step where jobs leave runs longer."""
 
     count: int = 0
     total_s: float = 0.0
     prefill_s: float = 0.0
     handoff_s: float = 0.0
+    results_s: float = 0.0
 
     def line(self) -> str:
         rest = self.total_s - self.prefill_s
         return (f"{self.count} jobs: prefill {self.prefill_s:.2f}s, joining {rest:.2f}s, "
-                f"hand-off {self.handoff_s:.2f}s")  # fmt: skip
+                f"hand-off {self.handoff_s:.2f}s, results {self.results_s:.2f}s")  # fmt: skip
 
 
 def member_row_prefix(

@@ -4,6 +4,7 @@ one warm group's batch (RINGQ_MAX_BATCH=4) and answer exactly as the same jobs d
 replicated KV batches too; a rank killed mid-batch retries every job of the batch once."""
 
 import os
+import re
 import signal
 from collections.abc import Iterator
 from functools import partial
@@ -159,6 +160,7 @@ def test_with_the_slowdown_bound_held_jobs_still_run_and_answer_as_alone(
         assert [r.result.text for r in burst] == [one_at_a_time[d] for d in DOCUMENTS]
     assert len({r.placement.group_id for r in records + again}) == 1
     assert logs.count("the join budget's step ms by rows {1: ") >= 2  # what it went by, a batch
+    assert re.search(r"hand-off \d+\.\d\ds, results \d+\.\d\ds;", logs)  # leaving jobs' time
     assert "waits to join" in logs
 
 
