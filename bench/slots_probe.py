@@ -10,7 +10,6 @@ rows and of --slots slots, alternating, one JSON line per (rows, slots) as it go
 
 import json
 import statistics
-import time
 from importlib.resources import files
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import click
 from bench.batch_decode import make_prompts
 from jobs.model_catalog import resolve_model
 from jobs.tokenizer import load_tokenizer
-from ring_worker.batch_decode import BatchDecoder, DecodeRequest
+from ring_worker.batch_decode import time_steps
 from ring_worker.devices import cap_device_memory
 from ring_worker.engine import Engine, PrefillResult
 from ring_worker.models import load_for_this_device
@@ -28,15 +27,7 @@ from ring_worker.models import load_for_this_device
 def step_ms(engine: Engine, prefills: list[PrefillResult], slots: int, steps: int) -> float:
     """Median ms between step ends of `prefills` decoding together in `slots` slots (the first
     four steps untimed)."""
-    decoder = BatchDecoder(engine, max_batch=slots)
-    for row, prefill in enumerate(prefills):
-        decoder.add(DecodeRequest(str(row), steps + 1), prefill)
-    ends = []
-    for _ in range(steps):
-        decoder.step()
-        ends.append(time.perf_counter())
-    decoder.run()
-    return 1e3 * statistics.median(b - a for a, b in zip(ends[4:], ends[5:], strict=False))
+    return 1e3 * time_steps(engine, prefills, slots, steps, untimed=4)
 
 
 @click.command()

@@ -314,17 +314,25 @@ def warm_up(engine: Engine) -> dict[int, float]:
 
 def _time_steps(engine: Engine, rows: int) -> float:
     """Median seconds per step of `rows` rows of different lengths, stepped as a batch is."""
-    decoder = BatchDecoder(engine, max_batch=rows)
-    steps = MEASURED_STEPS + 2
-    for row in range(rows):
-        length = WARM_UP_LENGTHS[0] * (row + 1)
-        decoder.add(DecodeRequest(str(row), steps + 1), engine.prefill([0] * length, length))
+    lengths = [WARM_UP_LENGTHS[0] * (row + 1) for row in range(rows)]
+    prefills = [engine.prefill([0] * length, length) for length in lengths]
+    return time_steps(engine, prefills, rows, MEASURED_STEPS + 2)
+
+
+def time_steps(
+    engine: Engine, prefills: list[PrefillResult], slots: int, steps: int, untimed: int = 1
+) -> float:
+    """Median seconds between step ends of `prefills` decoding together, as a batch steps, in
+    buffers of `slots` slots (the gaps before the `untimed`-th step's end left out)."""
+    decoder = BatchDecoder(engine, max_batch=slots)
+    for row, prefill in enumerate(prefills):
+        decoder.add(DecodeRequest(str(row), steps + 1), prefill)
     ends = []
     for _ in range(steps):
         decoder.step()
         ends.append(time.perf_counter())
     decoder.run()
-    return statistics.median(b - a for a, b in itertools.pairwise(ends[1:]))
+    return statistics.median(b - a for a, b in itertools.pairwise(ends[untimed:]))
 
 
 def sample_rows(sequences: list[_Sequence], logits: mx.array) -> mx.array:
