@@ -235,7 +235,9 @@ class BatchServer:
         self.loop_clock.step_ended(ended)
         for result in results:
             self.finish(result)
-        self.joins.results_s += time.perf_counter() - ended
+        results_s = time.perf_counter() - ended
+        self.joins.results_s += results_s
+        self.loop_clock.aside(results_s)  # the leaving jobs' cost, not the step's
         if results:
             self.pace_members()
         if not self.decoder.busy:  # the batch is over: where its time went
@@ -354,11 +356,15 @@ class BatchServer:
     def waiting_job(self, io: JobIO) -> Waiting:
         """What the budget needs of a job handed to the group (read once)."""
         if io.job_id not in self.waiting:
+            began = time.perf_counter()
             try:
                 spec, tokens, submitted = io.spec(), len(io.tokens()), io.submitted_at()
                 self.waiting[io.job_id] = Waiting(io.job_id, submitted, tokens, spec.max_tokens)
             except JobNotFoundError:  # gone: it takes no time (the vote skips it)
                 self.waiting[io.job_id] = Waiting(io.job_id, time.time(), 0, 0)
+            read_s = time.perf_counter() - began
+            self.joins.reads_s += read_s
+            self.loop_clock.aside(read_s)  # the job's cost, not the step's
         return self.waiting[io.job_id]
 
 
@@ -367,19 +373,22 @@ class JoinTimes:
     """One batch's jobs joining and leaving, in seconds on this rank: all of `start` (prefill
     and the rest: its records, the copy into its row, keeping its prompt's KV), the hand-off
     between steps (`take_joined`: a Redis pop, a collective and a vote per job), and the
-    results of the jobs that left (`finish`: a collective, the result's records, its text).
-    The join budget's step samples hold the last: a step where jobs leave runs longer."""
+    results of the jobs that left (`finish`: a collective, the result's records, its text),
+    and, of the hand-off, rank 0's first read of each job handed over (`reads`: what the join
+    budget needs of it). The budget's step samples leave the last two out (LoopClock.aside)."""
 
     count: int = 0
     total_s: float = 0.0
     prefill_s: float = 0.0
     handoff_s: float = 0.0
     results_s: float = 0.0
+    reads_s: float = 0.0
 
     def line(self) -> str:
         rest = self.total_s - self.prefill_s
         return (f"{self.count} jobs: prefill {self.prefill_s:.2f}s, joining {rest:.2f}s, "
-                f"hand-off {self.handoff_s:.2f}s, results {self.results_s:.2f}s")  # fmt: skip
+                f"hand-off {self.handoff_s:.2f}s (reads {self.reads_s:.2f}s), "
+                f"results {self.results_s:.2f}s")  # fmt: skip
 
 
 def member_row_prefix(

@@ -338,22 +338,32 @@ class JoinBudget:
 class LoopClock:
     """The batch loop's times, for the group's GroupTimes, from the timestamps it passes in: a
     step's time is from its start to the next one's; a join's stall is that gap, less its step,
-    where jobs joined in between (every cost of the join: the hand-off, the prefill, records)."""
+    where jobs joined in between (every cost of the join: the hand-off, the prefill, records).
+    Both leave out what the loop set `aside` in the gap: a job's one-off costs, not a step's
+    (reading a job handed over, writing a leaving job's result). Counted as steps, they made
+    a burst's first one-row steps read high while its jobs were handed over, so its deadlines
+    came out late (an H100 run: 7.7 ms early, 6.5 later; bench/results/batch-decode.md)."""
 
     times: GroupTimes
     last: tuple[int, float, float] | None = None  # rows, start, seconds of the step itself
     joined_tokens: int | None = None  # prompt tokens prefilled since the last step started
     unsampled: int = 0  # gaps not sampled: the one across a join, the step reading its token
+    aside_s: float = 0.0  # set aside since the last step started
+
+    def aside(self, seconds: float) -> None:
+        """`seconds` of the current gap went to a job's one-off cost, not to the step."""
+        self.aside_s += seconds
 
     def step_began(self, rows: int, now: float) -> None:
         if self.last is not None:
             last_rows, then, step_s = self.last
+            gap_s = now - then - self.aside_s
             if self.joined_tokens:
-                self.times.saw_prefill(self.joined_tokens, now - then - step_s)
+                self.times.saw_prefill(self.joined_tokens, gap_s - step_s)
             elif self.joined_tokens is None and not self.unsampled:
-                self.times.saw_step(last_rows, now - then)
+                self.times.saw_step(last_rows, gap_s)
             self.unsampled = max(0, self.unsampled - 1)
-        self.last, self.joined_tokens = (rows, now, 0.0), None
+        self.last, self.joined_tokens, self.aside_s = (rows, now, 0.0), None, 0.0
 
     def step_ended(self, now: float) -> None:
         if self.last is not None:

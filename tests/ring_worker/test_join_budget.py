@@ -192,6 +192,28 @@ def test_the_loop_clock_times_steps_start_to_start_and_joins_by_their_gap():
     assert times.step(1) == pytest.approx(0.3)
 
 
+def test_the_loop_clock_leaves_a_jobs_one_off_costs_out_of_steps_and_prefills():
+    """A job handed over (read) or leaving (its result written) costs once, not every step: a
+    burst handed over while job 0 ran alone made its one-row steps read high, and its deadlines
+    late. What the loop sets aside in a gap is no part of the step, nor of a joiner's prefill."""
+    times = GroupTimes()
+    clock = LoopClock(times)
+    clock.step_began(1, 10.0)
+    clock.step_ended(10.1)
+    clock.aside(0.15)  # two jobs read while handed over
+    clock.aside(0.05)
+    clock.step_began(1, 10.5)  # 0.5 s start to start, 0.2 of it set aside
+    assert times.step_s[1] == pytest.approx(0.3)
+    clock.step_ended(10.6)
+    clock.step_began(1, 10.9)  # nothing set aside: the whole gap
+    assert times.recent_s[1][-1] == pytest.approx(0.4)
+    clock.step_ended(11.0)
+    clock.aside(0.5)  # a leaving job's result
+    clock.joined(1000)
+    clock.step_began(2, 12.5)  # a gap of 1.6 s: 0.1 the step, 0.5 aside, 1,000 tokens in 1 s
+    assert times.prefill(1000) == pytest.approx(1.0)
+
+
 def test_slowdown_below_one_is_refused():
     with pytest.raises(ValueError, match="at least 1"):
         JoinBudget(0.9)
