@@ -336,10 +336,10 @@ class BatchServer:
         elif admitted:
             budget = self.budget
             log.info("group %s: %d job(s) join, from %s; the tightest member, %s, would finish "
-                     "%.2fs inside its deadline, %.2fs after its submission (%.1fx its time one "
-                     "at a time), at %.1f ms a step of %d rows", self.ctx.group.group_id,
-                     admitted, waiting[0].job_id, budget.tightest, budget.slack_s,
-                     budget.allowed_s(budget.tightest), budget.slowdown,
+                     "%.2fs inside its deadline, %.2fs after its submission (%.2fx its time one "
+                     "at a time, as estimated), at %.1f ms a step of %d rows",
+                     self.ctx.group.group_id, admitted, waiting[0].job_id, budget.tightest,
+                     budget.slack_s, budget.allowed_s(budget.tightest), budget.aim,
                      1e3 * budget.planned_step_s, len(self.members) + admitted)  # fmt: skip
         if admitted < len(waiting) and (held := waiting[admitted].job_id) not in self.held:
             self.held.add(held)  # said once per job: it is asked again every step
