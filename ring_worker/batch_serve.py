@@ -161,7 +161,8 @@ class BatchServer:
                 return
             prefill_began = time.perf_counter()
             job = prefill_job(self.engine, self.ctx, io, self.watchdog, self.prefix)
-            self.joins.prefill_s += time.perf_counter() - prefill_began
+            prefill_s = time.perf_counter() - prefill_began
+            self.joins.prefill_s += prefill_s
         except Cancelled as exc:  # every rank stops this job's prefill together
             self.loop_clock.joined(0)
             log.info("job %s rank %d: cancelled, %s", io.job_id, self.ctx.rank, exc)
@@ -179,6 +180,7 @@ class BatchServer:
         self.members[io.job_id] = _Member(io, without_kv(job), load_s, text, clock)
         self.pace_members()
         tokens = len(job.tokens) - (job.start.tokens if job.start is not None else 0)
+        self.loop_clock.prefilled(tokens, prefill_s)
         self.loop_clock.joined(tokens)
         if lead and self.budget.slowdown is not None:
             self.arrived(io, job, time.perf_counter() - began)

@@ -390,5 +390,13 @@ class LoopClock:
         self.joined_tokens = (self.joined_tokens or 0) + tokens
         self.unsampled = 2
 
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """A job's prefill of `tokens` took `seconds`. One that starts a batch (before its first
+        step) is no gap between steps, so it is a sample as it ran: without it, a group's first
+        join took the joiner's prefill as free (an H100 group's first join of a 4K prompt
+        planned its stall at 0 s, not ~0.12 s, where job 0's deadline left 0.00 s)."""
+        if self.last is None:
+            self.times.saw_prefill(tokens, seconds)
+
     def batch_ended(self) -> None:
         self.last, self.joined_tokens, self.unsampled = None, None, 0

@@ -237,6 +237,23 @@ def test_the_loop_clock_leaves_a_jobs_one_off_costs_out_of_steps_and_prefills():
     assert times.prefill(1000) == pytest.approx(1.0)
 
 
+def test_a_batchs_first_prefill_is_a_sample_and_a_joiners_is_its_gap():
+    """A job that starts a batch prefills before any step, so no gap holds it: it is a sample
+    as it ran (the first join no longer takes a prefill as free). A joiner's prefill, run
+    between two steps, is the gap's, not counted twice."""
+    times = GroupTimes()
+    clock = LoopClock(times)
+    assert times.prefill(1000) == 0.0  # nothing seen
+    clock.prefilled(1000, 2.0)
+    assert times.prefill(1000) == pytest.approx(2.0)
+    clock.step_began(1, 10.0)
+    clock.step_ended(10.1)
+    clock.prefilled(1000, 1.0)  # a joiner: its gap counts (1 s of prefill, 0.1 s of records)
+    clock.joined(1000)
+    clock.step_began(2, 11.2)  # the gap less the 0.1 s step: 1.1 s
+    assert times.prefill_tok_s == pytest.approx(0.8 * 500 + 0.2 * 1000 / 1.1)
+
+
 def test_slowdown_below_one_is_refused():
     with pytest.raises(ValueError, match="at least 1"):
         JoinBudget(0.9)
