@@ -20,6 +20,7 @@ cell.
 """
 
 import json
+import math
 import random
 from collections.abc import Callable
 
@@ -56,6 +57,7 @@ H200_COMPILED_STEPS = measured(
 )  # fmt: skip
 
 NOISE, NOISY_SEEDS = 0.15, 5  # lognormal sigma of a step's time; seeds run
+WALK_STEPS, WALKS, WALK_SEEDS = 300, (0.05, 0.1), 8  # the walk's steps, its sigmas, seeds run
 
 CELLS = [  # name, jobs, prefill s, step s(rows), max_tokens, max_batch, warm-up step times
     ("cpu-smollm2", 8, 2.36, lambda n: 0.085 + 0.0083 * (n - 1), 64, 8, None),
@@ -81,12 +83,17 @@ def simulate(
     lookahead: bool = False,
     budget: JoinBudget | None = None,
     start: float = 0.0,
+    walk: float = 0.0,
 ) -> dict:
     """`noise`: each step's time is its modelled one times a draw from a lognormal of this
-    sigma (seeded), as a shared host's steps vary. `oracle`: the budget knows every row count's
-    step and the prefill before the first job (no learning, no estimates from above). `joins`,
-    if given, gets the time each job started its prefill, in queue order."""
+    sigma (seeded), as a shared host's steps vary. `walk`: also times a slow lognormal walk of
+    this sigma (correlated over WALK_STEPS steps, started from its spread), as a GPU's step at
+    the same row count read 30-40 % apart minutes apart (batch-decode.md). `oracle`: the
+    budget knows every row count's step and the prefill before the first job (no learning, no
+    estimates from above). `joins`, if given, gets the time each job started its prefill, in
+    queue order."""
     draw = random.Random(seed)
+    level, keep = draw.gauss(0.0, walk) if walk else 0.0, math.exp(-1 / WALK_STEPS)
     if budget is None:
         budget = JoinBudget(slowdown, warm_up, lookahead=lookahead)
     if oracle:
@@ -108,7 +115,10 @@ def simulate(
         waiting = [
             job for job in waiting if job.job_id not in members and job.job_id not in finished
         ]
+        if walk:
+            level = keep * level + math.sqrt(1 - keep * keep) * draw.gauss(0.0, walk)
         step = step_s(len(members)) * (draw.lognormvariate(0.0, noise) if noise else 1.0)
+        step *= math.exp(level)
         budget.times.saw_step(len(members), step)
         now += step
         for job_id in list(members):
@@ -177,6 +187,15 @@ def main() -> None:
                 found = primed(steps, seed, lookahead)
                 print(json.dumps({"cell": cell, "primed": True, "noise": NOISE, "seed": seed,
                                   "lookahead": lookahead, **found}))  # fmt: skip
+    for walk in WALKS:  # three bursts in one group, its steps on a slow walk (see simulate)
+        for seed in range(WALK_SEEDS):
+            budget = JoinBudget(1.5, H200_SERVICE_WARM_UP, lookahead=True)
+            for burst in range(3):
+                found = simulate(32, 0.12, H200_COMPILED_STEPS, 256, 32, 1.5, noise=0.05,
+                                 seed=100 * seed + burst, budget=budget, start=1e3 * burst,
+                                 walk=walk)  # fmt: skip
+                print(json.dumps({"cell": "h200-8b-service-compiled", "walk": walk, "noise": 0.05,
+                                  "seed": seed, "burst": burst, **found}))  # fmt: skip
 
 
 if __name__ == "__main__":
