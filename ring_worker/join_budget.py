@@ -10,8 +10,9 @@ alone_k is the group's estimate, and it runs over: in bounded runs the estimate 
 one at a time was 5.6 % over the one-at-a-time run's (CPU, SmolLM2) and 8-16.5 % over in three of
 four bursts that missed the bound (H100, 8B; bench/results/batch-decode.md). The budget planned
 to its deadline and met it, and the job still ended at 1.57-1.72x. So the deadlines aim inside
-the bound (1.36x for 1.5x); in bench.join_budget_sim with steps drifting 5 % over minutes, aiming
-at 1.35x held 1.5x in 24 of 24 bursts, aiming at 1.5x in 12.
+the bound (1.36x for 1.5x). In bench.join_budget_sim's walk cells (steps on a slow 5 % walk, 24
+bursts), aiming at 1.5x ended a job past 1.5x in 11 bursts (7.4x decode, median), aiming at 1.36x
+in 1 (7.0x); on a 10 % walk, in 16 and 4.
 
 A join stalls every member for the joiner's prefill, and every later step is slower by a row.
 The jobs waiting for the group are admitted in order while each member's projected finish (now,
