@@ -43,7 +43,7 @@ from ring_worker.rows_attention import install_rows_attention
 
 CLEAR_CACHE_STEPS = 256
 WARM_UP_LENGTHS = (8, 16, 24)  # warm_up's rows: three lengths, so its steps mix them
-MEASURED_ROWS = (1, 2, 4)  # row counts whose step time warm_up measures
+MEASURED_ROWS = (1, 2, 4, 8, 16, 32)  # row counts (in as many slots) warm_up measures
 MEASURED_STEPS = 8  # timed steps per row count, after two untimed
 LogitsHook = Callable[[list[str], mx.array], None]  # (row keys, (rows, vocab) float32 logits)
 # the batch emptied: its cache and the slot each sequence that left last vacated, by key, before
@@ -153,6 +153,20 @@ class BatchDecoder:
     @property
     def members(self) -> list[str]:
         return [s.request.key for s in self._rows]
+
+    def width(self, rows: int) -> int:
+        """What a step of `rows` rows in this batch costs by, which the join budget keys its
+        times by: where steps run compiled (two rows or more), the buffers' slots, since every
+        slot steps and slots only grow while the batch lives (rows join one by one, and the
+        buffers double when full); else the rows. bench.slots_probe on an H100 (8B, ~4K-token
+        rows): 2 rows stepped in 8.2 ms in 2 slots and 12.4 in 32, 8 rows 10.4 and 12.8; one row
+        (eager) 5.5 in either (h200-service/slots-probe-h100-1448e4b.json)."""
+        if self.compiled is None or rows <= 1:
+            return rows
+        slots = self.cache.slots or self._slots
+        while slots < rows:
+            slots *= 2
+        return slots
 
     def remaining(self) -> dict[str, int]:
         """Each row's tokens still to decode, at most (a stop may end it sooner)."""
@@ -295,11 +309,15 @@ class BatchDecoder:
         mx.clear_cache()
 
 
-def warm_up(engine: Engine) -> dict[int, float]:
+def warm_up(engine: Engine, max_batch: int = max(MEASURED_ROWS)) -> dict[int, float]:
     """Run what a batch's steps run, then time them: rows of three lengths join, decode
-    together and leave at different steps; then MEASURED_ROWS rows of different lengths decode
-    MEASURED_STEPS steps each. Returns seconds per step by row count (the medians, short rows),
-    which seed the group's join budget (ring_worker/join_budget.py). On an H200 a fresh process
+    together and leave at different steps; then MEASURED_ROWS rows (those up to `max_batch`) of
+    different lengths decode MEASURED_STEPS steps each, in as many slots. Returns seconds per
+    step by row count (the medians, short rows), which seed the group's join budget
+    (ring_worker/join_budget.py): its times are by width (`BatchDecoder.width`), and a batch
+    of 32 slots steps as 32 rows do, so the counts a batch grows through are measured before
+    its first join (an H100's first burst planned 7 and 8 rows at 6.8-7.4 ms from 2-3 rows' 6.3;
+    8 slots then ran 11). On an H200 a fresh process
     compiled its kernels (NVRTC: gathers, scatters, fused elementwise, the mixed-length
     attention; 1-4 s each) inside its first batch's steps: py-spy of a 32-job batch put 54 % of
     rank 0's samples in NVRTC. MLX keeps what it compiles on disk (its PTX cache), so a later
@@ -309,7 +327,7 @@ def warm_up(engine: Engine) -> dict[int, float]:
         request = DecodeRequest(key=str(row), max_tokens=row + 2)
         decoder.add(request, engine.prefill([0] * length, length))
     decoder.run()
-    return {rows: _time_steps(engine, rows) for rows in MEASURED_ROWS}
+    return {rows: _time_steps(engine, rows) for rows in MEASURED_ROWS if rows <= max_batch}
 
 
 def _time_steps(engine: Engine, rows: int) -> float:

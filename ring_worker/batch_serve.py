@@ -231,7 +231,8 @@ class BatchServer:
 
     def step(self) -> None:
         """One decode step, timed for the join budget as the loop runs it (LoopClock)."""
-        self.loop_clock.step_began(len(self.members), time.perf_counter())
+        width = self.decoder.width(len(self.members))  # what the budget's times are keyed by
+        self.loop_clock.step_began(width, time.perf_counter())
         results = self.decoder.step()
         ended = time.perf_counter()
         self.loop_clock.step_ended(ended)
@@ -331,7 +332,8 @@ class BatchServer:
         (ring_worker/join_budget.py), at most the batch's free rows."""
         free = max(0, self.max_batch - len(self.members))
         waiting = [self.waiting_job(io) for io in handed[:free]]
-        admitted = self.budget.admit(time.time(), self.decoder.remaining(), waiting)
+        decoder = self.decoder
+        admitted = self.budget.admit(time.time(), decoder.remaining(), waiting, decoder.width)
         if admitted and not self.members:
             log.info("group %s: %d job(s) join an empty batch, from %s", self.ctx.group.group_id,
                      admitted, waiting[0].job_id)  # fmt: skip

@@ -21,6 +21,12 @@ within its deadline; the admitted ones count as members for the next. A member a
 every join back until it leaves: each join would make it later still. A waiting job's own
 deadline never keeps it out: joining later only finishes it later.
 
+A step's time is keyed by its width (`BatchDecoder.width`), called its rows below: on CUDA, where
+steps of two rows or more run compiled, every slot of the batch's buffers steps, slots double as
+rows join and stay until the batch empties, and a step costs by them (an H100: 2 rows 8.2 ms in 2
+slots, 12.4 in 32). Keyed by rows, the few rows of a batch's tail (in 32 slots) read 13 ms and a
+burst's first joins planned 7-8 rows at 2-3 rows' 6.3 ms (in 2-4 slots), where 8 slots ran 11.
+
 The times are the group's own, as its loop runs them (LoopClock): seconds from one step's start
 to the next (the step, the hand-off between steps, finished jobs' records) per row count, the
 median of the last RECENT_STEPS; a join's stall is the gap it opened between two steps, per
@@ -57,6 +63,7 @@ Three guards keep a wrong guess from starving a member, since a join cannot be u
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ring_worker.join_lookahead import HOLD_STEPS, Plan, Queued, join_now, tightest
@@ -236,6 +243,7 @@ class JoinBudget:
         self.lookahead = lookahead
         self.held_until = -math.inf  # the lookahead held the head of the queue until then
         self.holding = False  # the last admit's first waiting job was held by the lookahead
+        self._width: Callable[[int], int] = lambda rows: rows  # the last admit's (see there)
 
     @property
     def aim(self) -> float:
@@ -270,10 +278,17 @@ class JoinBudget:
         self.submitted.pop(job_id, None)
         self._seen.discard(job_id)
 
-    def admit(self, now: float, remaining: dict[str, int], waiting: list[Waiting]) -> int:
+    def admit(
+        self,
+        now: float,
+        remaining: dict[str, int],
+        waiting: list[Waiting],
+        width: Callable[[int], int] = lambda rows: rows,
+    ) -> int:
         """How many of `waiting` (in order) may join now. `remaining`: each member's tokens
-        still to decode, at most."""
-        self.holding = False
+        still to decode, at most. `width`: what a step of n rows costs by in this batch, which
+        the times are keyed by (`BatchDecoder.width`: its slots where steps are compiled)."""
+        self.holding, self._width = False, width
         if self.slowdown is None:
             return len(waiting)
         if not remaining:
@@ -282,7 +297,7 @@ class JoinBudget:
             self.arrive(job)
         self._fix_deadlines()
         members = dict(remaining)
-        if not self.times.known(len(members)):
+        if not self.times.known(width(len(members))):
             return 0  # the batch's step at this size is not measured yet
         stall_s, admitted = 0.0, 0
         for job in waiting:
@@ -294,7 +309,7 @@ class JoinBudget:
                 self.holding = True
                 break
             self.slack_s, self.tightest = slack_s, tightest
-            self.planned_step_s = self.times.step(len(members) + 1)
+            self.planned_step_s = self.times.step(width(len(members) + 1))
             members[job.job_id] = job.max_tokens
             stall_s, admitted = job_stall_s, admitted + 1
         return admitted
@@ -305,12 +320,12 @@ class JoinBudget:
         half of that."""
         if now < self.held_until:
             return False
-        if not self.times.covers(len(members) + len(waiting)):
+        if not self.times.covers(self._width(len(members) + len(waiting))):
             return True  # the rollouts would run on estimates from above: the rule decides
         queue = [Queued(job.job_id, job.prompt_tokens, job.max_tokens) for job in waiting]
         if join_now(self._plan(), now, members, queue):
             return True
-        self.held_until = now + HOLD_STEPS / 2 * self.times.step(len(members))
+        self.held_until = now + HOLD_STEPS / 2 * self.times.step(self._width(len(members)))
         return False
 
     def _fix_deadlines(self) -> None:
@@ -338,7 +353,7 @@ class JoinBudget:
 
     def _plan(self) -> Plan:
         """The group's times and deadlines, as the rule and the lookahead read them."""
-        return Plan(self.times.step, self.times.prefill,
+        return Plan(lambda rows: self.times.step(self._width(rows)), self.times.prefill,
                     lambda job_id: self.deadlines.get(job_id, math.inf), PLAN_MARGIN)  # fmt: skip
 
     def allowed_s(self, job_id: str) -> float:

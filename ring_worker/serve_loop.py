@@ -143,7 +143,8 @@ def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> dict[int, fl
     started = time.perf_counter()
     prefill = engine.prefill([0] * (2 * chunk_tokens), chunk_tokens)
     engine.decode(prefill, 2)
-    steps = warm_up_batch(engine) if batch_limit(ctx, engine) > 1 else None
+    limit = batch_limit(ctx, engine)
+    steps = warm_up_batch(engine, limit) if limit > 1 else None
     mx.clear_cache()
     log.info(
         "job %s rank %d: warmed up (%d-token chunks) in %.1fs; step ms by rows %s",

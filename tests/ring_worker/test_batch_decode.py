@@ -180,8 +180,8 @@ def test_warm_up_leaves_the_engine_as_it_found_it(tiny_model_dir):
     the end, and a sequence decoded after it is what it is alone: the warm-up shares no state
     with the batches after it. It returns the step time it measured at each of MEASURED_ROWS."""
     engine = Engine(model_at(tiny_model_dir))
-    steps = warm_up(engine)
-    assert sorted(steps) == list(MEASURED_ROWS) and all(s > 0 for s in steps.values())
+    steps = warm_up(engine, max_batch=8)  # the counts up to the group's batch limit
+    assert sorted(steps) == [n for n in MEASURED_ROWS if n <= 8] and all(steps.values())
     decoder = BatchDecoder(engine)
     decoder.add(*request(engine, "after", 30, 5))
     assert [r.tokens for r in decoder.run()] == [alone(tiny_model_dir, 30, 5)[0]]

@@ -62,6 +62,30 @@ def test_a_join_or_leave_does_not_retrace(tiny_model_dir):
     assert len(decoder.members) == 2
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_batchs_width_is_the_slots_its_compiled_step_will_run(tiny_model_dir, compiled):
+    """The join budget keys its step times by `width`: for each row count, before the row
+    joins, what the step will cost by once it has. Compiled, that is the slots the buffers grow
+    to (every slot steps; rows join one by one and full buffers double: 1, 2, 4, 8), and they
+    stay as rows leave; a lone row steps eagerly, by its one row. Eager, it is the rows."""
+    engine = routed_engine(tiny_model_dir)
+    decoder = BatchDecoder(engine, compiled=compiled)
+    joins = [("a",), ("b", "c"), ("d",), ("e", "f", "g")]
+    for keys in joins:
+        rows = len(decoder.members) + len(keys)
+        predicted = decoder.width(rows)
+        for key in keys:
+            tokens = 30 if key in "efg" else 6  # the last three outlive the rest
+            decoder.add(*request(engine, key, 20 + 5 * len(decoder.members), tokens))
+        decoder.step()
+        assert predicted == (decoder.cache.slots if compiled and rows > 1 else rows), keys
+    assert [decoder.cache.slots, decoder.width(7)] == ([8, 8] if compiled else [8, 7])
+    while len(decoder.members) > 3:  # rows leave, and their slots stay
+        decoder.step()
+    assert decoder.cache.slots == 8 and decoder.width(3) == (8 if compiled else 3)
+    assert decoder.width(1) == 1
+
+
 def test_a_compiled_step_writes_the_buffers_in_place(tiny_model_dir):
     """The step's K/V go into the batch's buffers without a copy of them (a copy of every
     layer's buffers a step would hold twice their memory)."""

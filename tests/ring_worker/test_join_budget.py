@@ -74,6 +74,22 @@ def test_joins_stop_where_a_member_would_miss_its_deadline():
     assert loose.slack_s == pytest.approx(4.0 - (1.2 + 1.1 * (1.0 + 8 * 0.11)))
 
 
+def test_times_go_by_the_width_a_step_will_have():
+    """A compiled step runs every slot of the batch's buffers: with `width` saying two rows step
+    in 8 slots, at 0.3 s a step there, the join above (0.11 s a step by rows) would end j0 at
+    1.2 + 1.1 x (1 + 8 x 0.3) = 4.94 s, past its 4 s: nobody joins; and the batch's own steps
+    must be measured at its width before anyone does."""
+    loose = budget(aim=2.0)
+    for _ in range(PROBE_STEPS):
+        loose.times.saw_step(8, 0.3)
+    loose.arrive(job(0), prefill_s=1.0)
+    slots = {1: 1, 2: 8, 3: 8}
+    assert loose.admit(1.2, {"j0": 8}, [job(1)], width=slots.__getitem__) == 0
+    assert loose.admit(1.2, {"j0": 8}, [job(1)]) == 1  # by rows, as before
+    assert loose.planned_step_s == pytest.approx(0.11)
+    assert budget(aim=100.0).admit(1.2, {"j0": 8, "j1": 8}, [job(2)], width=slots.__getitem__) == 0
+
+
 def test_joins_wait_until_the_batch_has_stepped_at_its_size():
     found = JoinBudget(10.0)
     found.times.saw_prefill(1000, 0.1)
