@@ -6,13 +6,13 @@ behind the same queue order). Pure: rank 0 of a batching group asks it before ea
 One at a time, the group would run its jobs in the order they reach it, each taking its prefill
 and then max_tokens one-row steps: job k would finish at V_k = max(V_(k-1), submitted_k) +
 alone_k, and its deadline is submitted_k + slowdown x (V_k - submitted_k) / ESTIMATE_MARGIN.
-alone_k is the group's estimate, and it runs over: in bounded runs the estimate of job 0's time
-one at a time was 5.6 % over the one-at-a-time run's (CPU, SmolLM2) and 8-16.5 % over in three of
-four bursts that missed the bound (H100, 8B; bench/results/batch-decode.md). The budget planned
-to its deadline and met it, and the job still ended at 1.57-1.72x. So the deadlines aim inside
-the bound (1.36x for 1.5x). In bench.join_budget_sim's walk cells (steps on a slow 5 % walk, 24
-bursts), aiming at 1.5x ended a job past 1.5x in 11 bursts (7.4x decode, median), aiming at 1.36x
-in 1 (7.0x); on a 10 % walk, in 16 and 4.
+alone_k is the group's estimate, and the bound is judged against another run's clock: in three
+of the five H100 bursts of 2026-12-05 that ended a job past 1.5x (8B), the estimate of its time
+one at a time was 8-16.5 % over the one-at-a-time run's, and the budget met its own deadline
+while the job ended at 1.57-1.72x (bench/results/batch-decode.md, nineteenth session). So the
+deadlines aim inside the bound (1.36x for 1.5x). In bench.join_budget_sim's walk cells (steps
+on a slow 5 % walk, 24 bursts), aiming at 1.5x ended a job past 1.5x in 11 bursts (7.4x decode,
+median), aiming at 1.36x in 1 (7.0x); on a 10 % walk, in 16 and 4.
 
 A join stalls every member for the joiner's prefill, and every later step is slower by a row.
 The jobs waiting for the group are admitted in order while each member's projected finish (now,
