@@ -56,12 +56,20 @@ H200_COMPILED_STEPS = measured(
      12: 0.0114, 16: 0.0121, 20: 0.0128, 24: 0.0128, 30: 0.0135}
 )  # fmt: skip
 
+
+def cpu_smollm2_steps(n: int) -> float:
+    """The CPU cell's step at n rows (SmolLM2, ~500-token rows, this 2-core machine)."""
+    return 0.085 + 0.0083 * (n - 1)
+
+
+CPU_PREFILL_S = 2.36  # the CPU cell's 500-token prefill
+
 NOISE, NOISY_SEEDS = 0.15, 5  # lognormal sigma of a step's time; seeds run
 WALK_STEPS, WALKS, WALK_SEEDS = 300, (0.05, 0.1), 8  # the walk's steps, its sigmas, seeds run
 
 CELLS = [  # name, jobs, prefill s, step s(rows), max_tokens, max_batch, warm-up step times
-    ("cpu-smollm2", 8, 2.36, lambda n: 0.085 + 0.0083 * (n - 1), 64, 8, None),
-    ("cpu-smollm2", 64, 2.36, lambda n: 0.085 + 0.0083 * (n - 1), 64, 8, None),
+    ("cpu-smollm2", 8, CPU_PREFILL_S, cpu_smollm2_steps, 64, 8, None),
+    ("cpu-smollm2", 64, CPU_PREFILL_S, cpu_smollm2_steps, 64, 8, None),
     ("h200-8b", 32, 0.12, lambda n: 0.0055 + 0.00049 * (n - 1), 256, 32, None),
     ("h200-8b", 256, 0.12, lambda n: 0.0055 + 0.00049 * (n - 1), 256, 32, None),
     ("h200-8b-service", 32, 0.12, H200_SERVICE_STEPS, 256, 32, H200_SERVICE_WARM_UP),

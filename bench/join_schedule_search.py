@@ -34,16 +34,18 @@ from collections.abc import Callable
 import click
 import numpy as np
 
-from bench.join_budget_sim import H200_COMPILED_STEPS, H200_SERVICE_STEPS, simulate
+from bench.join_budget_sim import (
+    CPU_PREFILL_S,
+    H200_COMPILED_STEPS,
+    H200_SERVICE_STEPS,
+    cpu_smollm2_steps,
+    simulate,
+)
 
 JOBS, PREFILL_S, MAX_TOKENS = 32, 0.12, 256  # the H200 cell
 FOUND = [0, 110, 159, 315] + [366] * (JOBS - 4)  # the best at bound 1.5, scale 1
-CPU_JOBS, CPU_PREFILL_S, CPU_MAX_TOKENS = 8, 2.36, 64
+CPU_JOBS, CPU_MAX_TOKENS = 8, 64
 CPU_FOUND = [0, 0] + [CPU_MAX_TOKENS] * (CPU_JOBS - 2)  # the best at bound 1.5
-
-
-def cpu_steps(n: int) -> float:
-    return 0.085 + 0.0083 * (n - 1)
 
 
 class Cell:
@@ -105,7 +107,7 @@ def anneal(cell: Cell, bound: float, start: list[int], moves: int, seed: int) ->
     return best
 
 
-CURVES = {"service": H200_SERVICE_STEPS, "compiled": H200_COMPILED_STEPS, "cpu": cpu_steps}
+CURVES = {"service": H200_SERVICE_STEPS, "compiled": H200_COMPILED_STEPS, "cpu": cpu_smollm2_steps}
 
 
 def scaled(curve: str, factor: float) -> Callable[[int], float]:

@@ -81,6 +81,11 @@ COVERED_SHARE = 0.75  # the lookahead plays a batch of n rows once 0.75 n rows w
 FIRST_READ_OFF = 0.1  # the log names a count whose first probe read this share off its median
 
 
+def by_rows(rows: int) -> int:
+    """A step's width where it costs by its rows (JoinBudget.admit's default)."""
+    return rows
+
+
 @dataclass(frozen=True)
 class Waiting:
     """A job handed to the group, not yet started: what its deadline needs."""
@@ -238,12 +243,11 @@ class JoinBudget:
         self._seen: set[str] = set()
         self._virtual_end = -math.inf  # when one at a time would finish the jobs seen so far
         self.submitted: dict[str, float] = {}  # of the jobs with deadlines
-        self.slack_s, self.tightest = math.inf, ""  # the last admitted join's (_slack_s)
+        self.slack_s, self.tightest = math.inf, ""  # the last admitted join's (tightest)
         self.planned_step_s = 0.0  # the step time that join was planned at (its row count)
         self.lookahead = lookahead
         self.held_until = -math.inf  # the lookahead held the head of the queue until then
         self.holding = False  # the last admit's first waiting job was held by the lookahead
-        self._width: Callable[[int], int] = lambda rows: rows  # the last admit's (see there)
 
     @property
     def aim(self) -> float:
@@ -283,12 +287,12 @@ class JoinBudget:
         now: float,
         remaining: dict[str, int],
         waiting: list[Waiting],
-        width: Callable[[int], int] = lambda rows: rows,
+        width: Callable[[int], int] = by_rows,
     ) -> int:
         """How many of `waiting` (in order) may join now. `remaining`: each member's tokens
         still to decode, at most. `width`: what a step of n rows costs by in this batch, which
         the times are keyed by (`BatchDecoder.width`: its slots where steps are compiled)."""
-        self.holding, self._width = False, width
+        self.holding = False
         if self.slowdown is None:
             return len(waiting)
         if not remaining:
@@ -299,33 +303,43 @@ class JoinBudget:
         members = dict(remaining)
         if not self.times.known(width(len(members))):
             return 0  # the batch's step at this size is not measured yet
+        plan = self._plan(width)
         stall_s, admitted = 0.0, 0
         for job in waiting:
             job_stall_s = stall_s + self.times.prefill(job.prompt_tokens)
-            slack_s, tightest = self._slack_s(now, members, job_stall_s)
+            # how far inside its deadline the tightest member (named) would finish after this
+            # join too (its prefill ending job_stall_s from now); below 0, it would miss it
+            slack_s, tightest_id = tightest(plan, now, members, job_stall_s)
             if slack_s < 0:
                 break
-            if self.lookahead and not admitted and not self._join_now(now, members, waiting):
+            if self.lookahead and not admitted and not self._join_now(now, members, waiting, width):
                 self.holding = True
                 break
-            self.slack_s, self.tightest = slack_s, tightest
+            self.slack_s, self.tightest = slack_s, tightest_id
             self.planned_step_s = self.times.step(width(len(members) + 1))
             members[job.job_id] = job.max_tokens
             stall_s, admitted = job_stall_s, admitted + 1
         return admitted
 
-    def _join_now(self, now: float, members: dict[str, int], waiting: list[Waiting]) -> bool:
+    def _join_now(
+        self,
+        now: float,
+        members: dict[str, int],
+        waiting: list[Waiting],
+        width: Callable[[int], int] = by_rows,
+    ) -> bool:
         """The lookahead (ring_worker/join_lookahead.py): whether the head of the queue, which
         fits now, should join now rather than HOLD_STEPS later; a hold is weighed again after
         half of that."""
         if now < self.held_until:
             return False
-        if not self.times.covers(self._width(len(members) + len(waiting))):
+        if not self.times.covers(width(len(members) + len(waiting))):
             return True  # the rollouts would run on estimates from above: the rule decides
         queue = [Queued(job.job_id, job.prompt_tokens, job.max_tokens) for job in waiting]
-        if join_now(self._plan(), now, members, queue):
+        plan = self._plan(width)
+        if join_now(plan, now, members, queue):
             return True
-        self.held_until = now + HOLD_STEPS / 2 * self.times.step(self._width(len(members)))
+        self.held_until = now + HOLD_STEPS / 2 * plan.step_s(len(members))
         return False
 
     def _fix_deadlines(self) -> None:
@@ -344,16 +358,10 @@ class JoinBudget:
         if self.times.settled:
             self._virtual_end, self._arrived = virtual_end, []
 
-    def _slack_s(
-        self, now: float, members: dict[str, int], join_stall_s: float
-    ) -> tuple[float, str]:
-        """How far inside its deadline the tightest member (named) would finish after one more
-        join (its prefill ending `join_stall_s` from now); below 0, it would miss it."""
-        return tightest(self._plan(), now, members, join_stall_s)
-
-    def _plan(self) -> Plan:
-        """The group's times and deadlines, as the rule and the lookahead read them."""
-        return Plan(lambda rows: self.times.step(self._width(rows)), self.times.prefill,
+    def _plan(self, width: Callable[[int], int]) -> Plan:
+        """The group's times (at the width n rows step at) and deadlines, as the rule and the
+        lookahead read them."""
+        return Plan(lambda rows: self.times.step(width(rows)), self.times.prefill,
                     lambda job_id: self.deadlines.get(job_id, math.inf), PLAN_MARGIN)  # fmt: skip
 
     def allowed_s(self, job_id: str) -> float:

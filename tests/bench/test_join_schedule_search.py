@@ -5,6 +5,7 @@ started."""
 import pytest
 
 from bench.join_budget_sim import H200_SERVICE_STEPS
+from bench.join_budget_sim import cpu_smollm2_steps as cpu_steps
 from bench.join_schedule_search import (
     CPU_FOUND,
     JOBS,
@@ -13,7 +14,6 @@ from bench.join_schedule_search import (
     Cell,
     anneal,
     cell_for,
-    cpu_steps,
 )
 
 
