@@ -81,6 +81,13 @@ COVERED_SHARE = 0.75  # the lookahead plays a batch of n rows once 0.75 n rows w
 FIRST_READ_OFF = 0.1  # the log names a count whose first probe read this share off its median
 
 
+def warm_up_rows(slowdown: float | None, batch_limit: int) -> int:
+    """The most rows (in as many slots) a GPU group's warm-up measures: a bounded budget plans
+    with every width up to the batch limit; unbounded, nothing plans with them, and a warm-up
+    measuring 8-32 slots has not been timed on a GPU, so up to 4, as before."""
+    return batch_limit if slowdown is not None else min(batch_limit, 4)
+
+
 def by_rows(rows: int) -> int:
     """A step's width where it costs by its rows (JoinBudget.admit's default)."""
     return rows

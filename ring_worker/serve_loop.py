@@ -25,6 +25,7 @@ from ring_worker.engine import Cancelled, Engine
 from ring_worker.group import join_group
 from ring_worker.job_io import JobIO
 from ring_worker.job_prefix import open_prefix_cache
+from ring_worker.join_budget import warm_up_rows
 from ring_worker.models import load_for_this_device
 from ring_worker.pipeline import keep_stage
 from ring_worker.rank_main import RankContext, run_job
@@ -144,9 +145,7 @@ def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> dict[int, fl
     prefill = engine.prefill([0] * (2 * chunk_tokens), chunk_tokens)
     engine.decode(prefill, 2)
     limit = batch_limit(ctx, engine)
-    # the widths a bounded batch's join budget plans with; unbounded, nothing plans with them,
-    # and a warm-up measuring 8-32 slots has not been timed on a GPU: as before, up to 4
-    measured = limit if ctx.settings.max_slowdown is not None else min(limit, 4)
+    measured = warm_up_rows(ctx.settings.max_slowdown, limit)
     steps = warm_up_batch(engine, measured) if limit > 1 else None
     mx.clear_cache()
     log.info(

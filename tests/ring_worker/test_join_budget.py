@@ -14,6 +14,7 @@ from ring_worker.join_budget import (
     JoinBudget,
     LoopClock,
     Waiting,
+    warm_up_rows,
 )
 
 PREFILL_TOK_S = 1000.0  # every prompt below is 1,000 tokens: 1 s of prefill
@@ -268,6 +269,11 @@ def test_a_batchs_first_prefill_is_a_sample_and_a_joiners_is_its_gap():
     clock.joined(1000)
     clock.step_began(2, 11.2)  # the gap less the 0.1 s step: 1.1 s
     assert times.prefill_tok_s == pytest.approx(0.8 * 500 + 0.2 * 1000 / 1.1)
+
+
+def test_the_warm_up_measures_every_width_only_where_a_bound_plans_with_them():
+    assert [warm_up_rows(1.5, 32), warm_up_rows(1.5, 8), warm_up_rows(None, 32)] == [32, 8, 4]
+    assert warm_up_rows(None, 2) == 2
 
 
 def test_slowdown_below_one_is_refused():
