@@ -21,7 +21,8 @@ needs more than the longest row's prompt and answer plus the longest answer
 (admission.estimate `batch_buffer_tokens`). Leaving moves the last row into the freed one; the
 last row itself leaves its columns where they are (`vacated`, until the next join), so when the
 batch empties every row that left last still holds its K/V, for the next job on its document
-(ring_worker/batch_serve.py `keep_last_row`).
+(ring_worker/batch_serve.py `keep_last_row`). When rows leave, the decoder may `shrink` the
+buffers to fewer slots (ring_worker/batch_decode.py says when): one copy of the rows' columns.
 
 When every row has the same length (one sequence, or sequences that joined together) the step is
 mlx-lm's own single-sequence path: an integer offset, one slice update, no mask (fused attention).
@@ -166,16 +167,19 @@ class SlotCache:
         for buffer in (self.keys, self.values):
             buffer[target : target + 1, :, start:end] = buffer[source : source + 1, :, start:end]
 
-    def relayout(self, capacity: int, start: int, end: int, shift: int, like: mx.array) -> None:
-        """New buffers of `capacity` columns (as many rows as now, at least `slots`) holding
-        the old columns [start, end) at [start + shift, end + shift)."""
+    def relayout(
+        self, capacity: int, start: int, end: int, shift: int, like: mx.array, slots: int = 0
+    ) -> None:
+        """New buffers of `capacity` columns holding the old columns [start, end) at
+        [start + shift, end + shift), in `slots` slots (0: as many as now, at least `slots`;
+        fewer keep the first ones)."""
         _, heads, _, dim = like.shape
-        slots = self.slots if self.keys is None else self.keys.shape[0]
+        slots = slots or (self.slots if self.keys is None else self.keys.shape[0])
         moved = []
         for old in (self.keys, self.values):
             new = mx.zeros((slots, heads, capacity, dim), like.dtype)
             if old is not None and end > start:
-                new[:, :, start + shift : end + shift] = old[:, :, start:end]
+                new[:, :, start + shift : end + shift] = old[:slots, :, start:end]
             moved.append(new)
         self.keys, self.values = moved
 
@@ -253,17 +257,28 @@ class BatchCache:
         rows.changed()
         return row
 
-    def _relayout(self, end: int, max_tokens: int, like: mx.array) -> None:
+    def shrink(self, slots: int) -> None:
+        """Keep the first `slots` slots (every row is in them), in new buffers holding only the
+        columns rows hold (moved left, as for a join the buffers cannot hold). Slots vacated
+        before are dropped: `vacated` matters when the batch empties, which this is not."""
+        if len(self.rows) > slots or not 0 < slots < self.slots:
+            raise ValueError(f"cannot shrink {self.slots} slots of {len(self.rows)} rows to {slots}")
+        like = self.layers[0].keys
+        assert like is not None
+        self.vacated.clear()
+        self._relayout(self.rows.longest, 0, like, slots)
+
+    def _relayout(self, end: int, max_tokens: int, like: mx.array, slots: int = 0) -> None:
         """Move every row to end at column `end` (right, for a longer joiner; left, dropping
         the columns no row holds), in buffers just long enough for every row's room and a
-        joiner's `max_tokens`."""
+        joiner's `max_tokens` (in `slots` slots: 0, as many as now)."""
         rows = self.rows
         shift = end - rows.end
         rows.limits = [limit + shift for limit in rows.limits]
         capacity = _round_up(max([end + max_tokens, *rows.limits]), CACHE_STEP_TOKENS)
         start = rows.first  # no row held: start + longest == start, nothing to copy
         for layer in self.layers:
-            layer.relayout(capacity, start, start + rows.longest, shift, like)
+            layer.relayout(capacity, start, start + rows.longest, shift, like, slots)
         rows.end = end
         rows.changed()
 

@@ -13,8 +13,11 @@ Design (after reading mlx-lm 0.32's BatchGenerator / BatchKVCache and this engin
 - As in mlx-lm's generate_step, step t + 1 is queued (async_eval) before step t's vote is read
   on the host, so the device never waits for Python; a row that finishes at t wastes one row-step.
 - A row leaves as soon as its vote is read: stop token, max_tokens, or cancel (then only that
-  sequence gets `cancelled`). Its row is freed at once (the last row moves into it); the KV
-  buffers keep their size until the last row leaves, and are then dropped.
+  sequence gets `cancelled`). Its row is freed at once (the last row moves into it). Where
+  half the slots or more stand free, the buffers shrink to the fewest slots (halving) that hold
+  the rows, above the slots reserved up front: a compiled step runs every slot, and on an H100
+  (8B, ~4K-token rows) 2 rows stepped in 8.2 ms in 2 slots and 12.4 in 32 (bench.slots_probe,
+  h200-service/slots-probe-h100-1448e4b.json). When the last row leaves they are dropped.
 - Rows of different lengths attend through a boolean mask on the CPU and Metal; on CUDA, where
   MLX's fused SDPA takes no mask, through ring_worker/rows_attention.py's kernels instead.
 - Every rank must add the same sequences in the same order; rows then stay identical on every
@@ -157,8 +160,8 @@ class BatchDecoder:
     def width(self, rows: int) -> int:
         """What a step of `rows` rows in this batch costs by, which the join budget keys its
         times by: where steps run compiled (two rows or more), the buffers' slots, since every
-        slot steps and slots only grow while the batch lives (rows join one by one, and the
-        buffers double when full); else the rows. bench.slots_probe on an H100 (8B, ~4K-token
+        slot steps (rows join one by one, and the buffers double when full; they halve only as
+        rows leave); else the rows. bench.slots_probe on an H100 (8B, ~4K-token
         rows): 2 rows stepped in 8.2 ms in 2 slots and 12.4 in 32, 8 rows 10.4 and 12.8; one row
         (eager) 5.5 in either (h200-service/slots-probe-h100-1448e4b.json)."""
         if self.compiled is None or rows <= 1:
@@ -298,6 +301,11 @@ class BatchDecoder:
                 self.on_emptied(self.cache, slots)
             self._release()
             return None
+        fewer = self.cache.slots
+        while fewer // 2 >= max(len(self._rows), self._slots):
+            fewer //= 2
+        if fewer < self.cache.slots:
+            self.cache.shrink(fewer)
         return mx.take(vote, mx.array(order), axis=1)
 
     def _release(self) -> None:

@@ -233,9 +233,12 @@ class BatchServer:
         """One decode step, timed for the join budget as the loop runs it (LoopClock)."""
         width = self.decoder.width(len(self.members))  # what the budget's times are keyed by
         self.loop_clock.step_began(width, time.perf_counter())
+        slots = self.decoder.cache.slots
         results = self.decoder.step()
         ended = time.perf_counter()
         self.loop_clock.step_ended(ended)
+        if self.decoder.busy and self.decoder.cache.slots < slots:
+            self.loop_clock.shrank()  # rows left, and the buffers were copied to fewer slots
         for result in results:
             self.finish(result)
         results_s = time.perf_counter() - ended

@@ -392,7 +392,7 @@ class LoopClock:
     times: GroupTimes
     last: tuple[int, float, float] | None = None  # rows, start, seconds of the step itself
     joined_tokens: int | None = None  # prompt tokens prefilled since the last step started
-    unsampled: int = 0  # gaps not sampled: the one across a join, the step reading its token
+    unsampled: int = 0  # gaps not sampled: across a join and the step reading its token; a shrink
     aside_s: float = 0.0  # set aside since the last step started
 
     def aside(self, seconds: float) -> None:
@@ -419,6 +419,11 @@ class LoopClock:
         """A job started between two steps, prefilling `tokens` (0: a prefill job run whole,
         or one cancelled: its gap is no step, nor a prefill rate)."""
         self.joined_tokens = (self.joined_tokens or 0) + tokens
+        self.unsampled = 2
+
+    def shrank(self) -> None:
+        """The step that just ran copied the batch's buffers to fewer slots (rows left): its gap
+        holds the copy's graph, the next the copy itself and the compiled step's new trace."""
         self.unsampled = 2
 
     def prefilled(self, tokens: int, seconds: float) -> None:

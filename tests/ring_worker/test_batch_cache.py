@@ -118,3 +118,27 @@ def test_a_step_attends_each_row_only_to_its_own_columns(joiner):
     visible = mask[:, 0, 0].tolist()
     assert visible[0] == [True] * 10
     assert visible[1] == [False] * (9 - joiner) + [True] * (joiner + 1)
+
+
+def test_rows_keep_their_positions_when_the_buffers_shrink():
+    """Rows left: the buffers keep fewer slots and only the columns rows hold, and the rows
+    step and take a joiner as before."""
+    batch = Batch()
+    for sequence, length in enumerate((30, 12, 50, 7, 21), start=1):
+        batch.join(sequence, length, 40)
+    for _ in range(3):
+        batch.step()
+    assert batch.cache.slots == 8
+    for sequence in (3, 1, 5):
+        batch.leave(sequence)
+    batch.cache.shrink(2)
+    assert batch.cache.slots == 2
+    assert batch.cache.rows.first == 0  # the longest row that left held the first columns
+    batch.check()
+    for _ in range(2):
+        batch.step()
+    batch.join(6, 90, 10)  # longer than every row: grows the slots again, the rows move right
+    batch.check()
+    assert batch.cache.slots == 4
+    with pytest.raises(ValueError, match="cannot shrink"):
+        batch.cache.shrink(2)  # 3 rows

@@ -66,8 +66,9 @@ def test_a_join_or_leave_does_not_retrace(tiny_model_dir):
 def test_a_batchs_width_is_the_slots_its_compiled_step_will_run(tiny_model_dir, compiled):
     """The join budget keys its step times by `width`: for each row count, before the row
     joins, what the step will cost by once it has. Compiled, that is the slots the buffers grow
-    to (every slot steps; rows join one by one and full buffers double: 1, 2, 4, 8), and they
-    stay as rows leave; a lone row steps eagerly, by its one row. Eager, it is the rows."""
+    to (every slot steps; rows join one by one and full buffers double: 1, 2, 4, 8, and halve
+    as rows leave half of them free); a lone row steps eagerly, by its one row. Eager, it is
+    the rows."""
     engine = routed_engine(tiny_model_dir)
     decoder = BatchDecoder(engine, compiled=compiled)
     joins = [("a",), ("b", "c"), ("d",), ("e", "f", "g")]
@@ -80,9 +81,13 @@ def test_a_batchs_width_is_the_slots_its_compiled_step_will_run(tiny_model_dir, 
         decoder.step()
         assert predicted == (decoder.cache.slots if compiled and rows > 1 else rows), keys
     assert [decoder.cache.slots, decoder.width(7)] == ([8, 8] if compiled else [8, 7])
-    while len(decoder.members) > 3:  # rows leave, and their slots stay
+    while len(decoder.members) > 6:  # rows leave; the slots stay while more than half are used
         decoder.step()
-    assert decoder.cache.slots == 8 and decoder.width(3) == (8 if compiled else 3)
+    assert decoder.cache.slots == 8
+    while len(decoder.members) > 3:  # then they halve
+        decoder.step()
+    assert decoder.cache.slots == 4 and decoder.width(3) == (4 if compiled else 3)
+    assert decoder.width(5) == (8 if compiled else 5)  # and a join doubles them again
     assert decoder.width(1) == 1
 
 
