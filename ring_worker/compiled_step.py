@@ -17,8 +17,10 @@ eagerly, and 12.1 ms dynamically or compiled (h200-service/store-probe-rows-32-8
 step compiled whole (one function of every buffer) was thus 1.7x the eager step at 8 rows and
 4.6x at 24.
 - Every slot of the buffers steps, not only the rows in use (a free slot attends to the one
-  column it writes, and its logits are dropped). Slots double as rows join and stay while the
-  batch lives, so a join or a leave does not retrace.
+  column it writes, and its logits are dropped). Slots double as rows join and stay until
+  half or more stand free (then the buffers halve), so most joins and leaves do not retrace;
+  MLX keeps a trace per shape, so a slot count seen before at the same capacity is not traced
+  again.
 - RoPE offsets, first columns and visible counts are inputs; the attention kernels' split count
   is fixed per trace (`split_bucket(longest)` gives the split count the true longest row would).
 Each layer is traced again when the slots double, when the buffers grow (every CACHE_STEP_TOKENS

@@ -46,7 +46,7 @@ def test_a_compiled_batch_matches_each_sequence_alone(tiny_model_dir, monkeypatc
 
 
 def test_a_join_or_leave_does_not_retrace(tiny_model_dir):
-    """Slots double and stay: rows joining and leaving inside them step on the same trace."""
+    """Slots reserved up front stay: rows joining and leaving inside them step on one trace."""
     engine = routed_engine(tiny_model_dir)
     decoder = BatchDecoder(engine, max_batch=4, compiled=True)
     assert decoder.compiled is not None
