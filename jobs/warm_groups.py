@@ -19,8 +19,9 @@ the list of jobs the reconciler retries when the group is lost (jobs/recovery.py
 Memory: the batch's KV lives in one buffer per layer (ring_worker/batch_cache.py) of `slots`
 rows, each as long as the longest row it has held (its prompt and answer) plus the longest
 answer, in 256-token steps (admission.estimate `batch_buffer_tokens`: rows are aligned at their
-ends); rows double when a job joins a full buffer, and the buffer keeps its size until the batch is
-empty (then it is dropped). keys.group_batch_buffer models that buffer: the first job records
+ends); rows double when a job joins a full buffer, and halve as jobs leave half or more of them
+free, and the buffer is dropped when the batch is empty. keys.group_batch_buffer models the buffer
+at its largest (a shrunk buffer may grow back, so its bytes stay reserved): the first job records
 its row (`started`), and each `join` grows the group's reservation on every node, in the same
 script, to the whole buffer after the join (every row, the first included, at the longest
 row's length: a joining job's prefill then runs in the room the first job's estimate holds),

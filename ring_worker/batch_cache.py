@@ -262,7 +262,8 @@ class BatchCache:
         columns rows hold (moved left, as for a join the buffers cannot hold). Slots vacated
         before are dropped: `vacated` matters when the batch empties, which this is not."""
         if len(self.rows) > slots or not 0 < slots < self.slots:
-            raise ValueError(f"cannot shrink {self.slots} slots of {len(self.rows)} rows to {slots}")
+            held = f"{self.slots} slots of {len(self.rows)} rows"
+            raise ValueError(f"cannot shrink {held} to {slots}")
         like = self.layers[0].keys
         assert like is not None
         self.vacated.clear()

@@ -24,8 +24,9 @@ deadline never keeps it out: joining later only finishes it later.
 A step's time is keyed by its width (`BatchDecoder.width`), called its rows below: on CUDA, where
 steps of two rows or more run compiled, every slot of the batch's buffers steps, slots double as
 rows join and halve as they leave (BatchDecoder), and a step costs by them (an H100: 2 rows 8.2
-ms in 2 slots, 12.4 in 32). Keyed by rows, the few rows of a batch's tail (in 32 slots) read 13 ms and a
-burst's first joins planned 7-8 rows at 2-3 rows' 6.3 ms (in 2-4 slots), where 8 slots ran 11.
+ms in 2 slots, 12.4 in 32). Keyed by rows, the few rows of a batch's tail (in 32 slots) read 13
+ms and a burst's first joins planned 7-8 rows at 2-3 rows' 6.3 ms (in 2-4 slots), where 8 slots
+ran 11.
 
 The times are the group's own, as its loop runs them (LoopClock): seconds from one step's start
 to the next (the step, the hand-off between steps, finished jobs' records) per row count, the
