@@ -249,9 +249,10 @@ class BatchServer:
         if not self.decoder.busy:  # the batch is over: where its time went
             self.loop_clock.batch_ended()
             self.budget.emptied(time.time())
-            log.info("group %s rank %d: batch of %s; %s; the join budget's %s",
+            log.info("group %s rank %d: batch of %s; %s; the join budget's %s; %s",
                      self.ctx.group.group_id, self.ctx.rank, self.joins.line(),
-                     self.decoder.times.line(), self.budget.times.table())  # fmt: skip
+                     self.decoder.times.line(), self.budget.times.table(),
+                     self.loop_clock.left_out_line())  # fmt: skip
             self.decoder.times, self.joins = StepTimes(), JoinTimes()
             self.write_profile()
 

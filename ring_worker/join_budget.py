@@ -80,6 +80,7 @@ PLAN_MARGIN = 1.1  # projected times are stretched by this (see above)
 ESTIMATE_MARGIN = 1.1  # deadlines aim this much inside the bound (see above)
 COVERED_SHARE = 0.75  # the lookahead plays a batch of n rows once 0.75 n rows were measured
 FIRST_READ_OFF = 0.1  # the log names a count whose first probe read this share off its median
+FIRST_GAPS_LEFT_OUT = 3  # a width's first gaps between steps in a group: no samples (LoopClock)
 
 
 def warm_up_rows(slowdown: float | None, batch_limit: int) -> int:
@@ -388,13 +389,22 @@ class LoopClock:
     Both leave out what the loop set `aside` in the gap: a job's one-off costs, not a step's
     (reading a job handed over, writing a leaving job's result). Counted as steps, they made
     a burst's first one-row steps read high while its jobs were handed over, so its deadlines
-    came out late (an H100 run: 7.7 ms early, 6.5 later; bench/results/batch-decode.md)."""
+    came out late (an H100 run: 7.7 ms early, 6.5 later; bench/results/batch-decode.md).
+
+    A width's first FIRST_GAPS_LEFT_OUT sampled gaps in the group are no samples either (kept
+    for the log): on an H100 (`fc12c9c`, 8B, two runs) they read 6.1-6.5 ms at 2, 4 and 8 slots,
+    below bench.slots_probe's steady 8.2-10.4 ms there, where the same widths later ran
+    8.8-11.5 ms; one row first read 5.4 ms, then 6.7. The cause is not found. A burst's ramp
+    passes a width in a few steps, so its only samples were those: the next burst planned 4
+    rows at 6.8 ms, they stepped 10.6, and its job 0 ended at 1.67x."""
 
     times: GroupTimes
     last: tuple[int, float, float] | None = None  # rows, start, seconds of the step itself
     joined_tokens: int | None = None  # prompt tokens prefilled since the last step started
     unsampled: int = 0  # gaps not sampled: across a join and the step reading its token; a shrink
     aside_s: float = 0.0  # set aside since the last step started
+    left_out: int = FIRST_GAPS_LEFT_OUT  # of each width's first gaps, not sampled
+    first_gaps: dict[int, list[float]] = field(default_factory=dict)  # those, by width
 
     def aside(self, seconds: float) -> None:
         """`seconds` of the current gap went to a job's one-off cost, not to the step."""
@@ -407,7 +417,11 @@ class LoopClock:
             if self.joined_tokens:
                 self.times.saw_prefill(self.joined_tokens, gap_s - step_s)
             elif self.joined_tokens is None and not self.unsampled:
-                self.times.saw_step(last_rows, gap_s)
+                first = self.first_gaps.setdefault(last_rows, [])
+                if len(first) < self.left_out:
+                    first.append(gap_s)
+                else:
+                    self.times.saw_step(last_rows, gap_s)
             self.unsampled = max(0, self.unsampled - 1)
         self.last, self.joined_tokens, self.aside_s = (rows, now, 0.0), None, 0.0
 
@@ -437,3 +451,9 @@ class LoopClock:
 
     def batch_ended(self) -> None:
         self.last, self.joined_tokens, self.unsampled = None, None, 0
+
+    def left_out_line(self) -> str:
+        """The first gaps left out, in ms by width (their medians), for the log."""
+        gaps = {n: statistics.median(g) for n, g in sorted(self.first_gaps.items()) if g}
+        shown = ", ".join(f"{n}: {1e3 * s:.1f}" for n, s in gaps.items())
+        return f"first gaps left out {{{shown}}}"

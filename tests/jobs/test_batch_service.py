@@ -162,6 +162,7 @@ def test_with_the_slowdown_bound_held_jobs_still_run_and_answer_as_alone(
     assert logs.count("the join budget's step ms by rows {1: ") >= 2  # what it went by, a batch
     # the first reads of jobs handed over, and the leaving jobs' results: set aside, not steps
     assert re.search(r"hand-off \d+\.\d\ds \(reads \d+\.\d\ds\), results \d+\.\d\ds;", logs)
+    assert re.search(r"first gaps left out \{1: \d+\.\d", logs)  # a width's first: no samples
     assert "waits to join" in logs
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from ring_worker.join_budget import (
     ESTIMATE_MARGIN,
+    FIRST_GAPS_LEFT_OUT,
     PLAN_MARGIN,
     PROBE_STEPS,
     SETTLED_STEPS,
@@ -208,7 +209,7 @@ def test_deadlines_aim_inside_the_bound_by_the_estimates_margin():
 
 def test_the_loop_clock_times_steps_start_to_start_and_joins_by_their_gap():
     times = GroupTimes()
-    clock = LoopClock(times)
+    clock = LoopClock(times, left_out=0)
     clock.step_began(1, 10.0)
     clock.step_ended(10.1)
     clock.step_began(1, 10.3)  # 0.3 s a step, 0.1 of it the step itself
@@ -237,7 +238,7 @@ def test_the_loop_clock_leaves_a_jobs_one_off_costs_out_of_steps_and_prefills():
     burst handed over while job 0 ran alone made its one-row steps read high, and its deadlines
     late. What the loop sets aside in a gap is no part of the step, nor of a joiner's prefill."""
     times = GroupTimes()
-    clock = LoopClock(times)
+    clock = LoopClock(times, left_out=0)
     clock.step_began(1, 10.0)
     clock.step_ended(10.1)
     clock.aside(0.15)  # two jobs read while handed over
@@ -259,7 +260,7 @@ def test_a_batchs_first_prefill_is_a_sample_and_a_joiners_is_its_gap():
     as it ran (the first join no longer takes a prefill as free). A joiner's prefill, run
     between two steps, is the gap's, not counted twice."""
     times = GroupTimes()
-    clock = LoopClock(times)
+    clock = LoopClock(times, left_out=0)
     assert times.prefill(1000) == 0.0  # nothing seen
     clock.prefilled(1000, 2.0)
     assert times.prefill(1000) == pytest.approx(2.0)
@@ -379,3 +380,24 @@ def test_the_log_names_a_count_whose_first_steps_read_low():
     assert (
         times.table() == "step ms by rows {1: 7.0, 2: 9.0}, first read {2: 6.0}, prefill none seen"
     )
+
+
+def test_a_widths_first_gaps_in_a_group_are_left_out():
+    """On an H100 a width's first gaps read 6.1-6.5 ms where it later stepped 8.8-11.5: the
+    first FIRST_GAPS_LEFT_OUT gaps at each width are no samples (the log shows them), once per
+    group: a later batch samples the width from its first gap."""
+    times = GroupTimes()
+    clock = LoopClock(times)
+    now = 10.0
+    for gap in [0.006] * FIRST_GAPS_LEFT_OUT + [0.009, 0.010]:
+        clock.step_began(4, now)
+        clock.step_ended(now + 0.001)
+        now += gap
+    clock.step_began(4, now)
+    assert list(times.recent_s[4]) == pytest.approx([0.009, 0.010])
+    assert clock.left_out_line() == "first gaps left out {4: 6.0}"
+    clock.batch_ended()
+    clock.step_began(4, 100.0)
+    clock.step_ended(100.001)
+    clock.step_began(4, 100.008)
+    assert times.recent_s[4][-1] == pytest.approx(0.008)
