@@ -171,8 +171,8 @@ class SlotCache:
         self, capacity: int, start: int, end: int, shift: int, like: mx.array, slots: int = 0
     ) -> None:
         """New buffers of `capacity` columns holding the old columns [start, end) at
-        [start + shift, end + shift), in `slots` slots (0: as many as now, at least `slots`;
-        fewer keep the first ones)."""
+        [start + shift, end + shift), in `slots` slots (fewer than now keep the first ones; 0: as
+        many as now, or, before any buffer, the slots to allocate at first)."""
         _, heads, _, dim = like.shape
         slots = slots or (self.slots if self.keys is None else self.keys.shape[0])
         moved = []
