@@ -18,6 +18,7 @@
 #   bash bench/results/h200-service/run.sh compiled    # compiled decode steps against op by op: logits, step times
 #   bash bench/results/h200-service/run.sh store       # does a K/V store copy the buffers (eager, dynamic, compiled)
 #   bash bench/results/h200-service/run.sh slots       # does a compiled step cost by its rows or its buffer's slots
+#                                                      # (SLOTS_ARGS=--shrink: and what halving the buffers costs once)
 # On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -72,7 +73,7 @@ PY
       ;;
     slots)
       timeout 300 python3 -m bench.slots_probe --model $model --rows ${SLOTS_ROWS:-2,4,8,16} \
-        --slots 32 --out "$out/slots-probe${SLOTS_TAG:-}.json"
+        --slots 32 ${SLOTS_ARGS:-} --out "$out/slots-probe${SLOTS_TAG:-}.json"
       ;;
     batch)  # defaults (prefix cache on); mlx-lm batch_generate on the same prompts after
       # BATCH_ROUNDS bursts each side (the first a fresh group's, the rest a warm group's; the
