@@ -79,25 +79,23 @@ def main(
     prompts = make_prompts(document, most, prompt_tokens, equal=False)
     prefills = [engine.prefill(p, prompt_tokens) for p in prompts]
     step_ms(engine, prefills[:2], 2, 8)  # kernels compiled, untimed
-    found = []
+    found: list[dict] = []
+
+    def record(line: dict) -> None:
+        print(json.dumps(line), flush=True)
+        found.append(line)
+        if out:
+            out.write_text(json.dumps({"model": model, "found": found}, indent=1) + "\n")
+
     for count in counts:
         times: dict[int, list[float]] = {count: [], slots: []}
         for _ in range(rounds):
             for width in times:
                 times[width].append(step_ms(engine, prefills[:count], width, steps))
         medians = {width: statistics.median(t) for width, t in times.items()}
-        line = {"rows": count, "step_ms_by_slots": medians, "rounds_ms": times}
-        print(json.dumps(line), flush=True)
-        found.append(line)
-        if out:
-            out.write_text(json.dumps({"model": model, "found": found}, indent=1) + "\n")
-    if shrink:
-        for _ in range(rounds):
-            line = {"shrink": shrink_gaps(engine, prefills[:slots], steps)}
-            print(json.dumps(line), flush=True)
-            found.append(line)
-        if out:
-            out.write_text(json.dumps({"model": model, "found": found}, indent=1) + "\n")
+        record({"rows": count, "step_ms_by_slots": medians, "rounds_ms": times})
+    for _ in range(rounds if shrink else 0):
+        record({"shrink": shrink_gaps(engine, prefills[:slots], steps)})
 
 
 if __name__ == "__main__":

@@ -164,12 +164,17 @@ class BatchDecoder:
         rows leave); else the rows. bench.slots_probe on an H100 (8B, ~4K-token
         rows): 2 rows stepped in 8.2 ms in 2 slots and 12.4 in 32, 8 rows 10.4 and 12.8; one row
         (eager) 5.5 in either (h200-service/slots-probe-h100-1448e4b.json)."""
-        if self.compiled is None or rows <= 1:
+        if self._compiled_for(rows) is None:
             return rows
         slots = self.cache.slots or self._slots
         while slots < rows:
             slots *= 2
         return slots
+
+    def _compiled_for(self, rows: int) -> CompiledStep | None:
+        """The compiled step a step of `rows` rows runs: two rows or more, where steps compile;
+        None: one row steps through mlx-lm's own path (its gemv), as one at a time runs it."""
+        return self.compiled if rows > 1 else None
 
     def remaining(self) -> dict[str, int]:
         """Each row's tokens still to decode, at most (a stop may end it sooner)."""
@@ -228,9 +233,10 @@ class BatchDecoder:
     def _queue_step(self) -> mx.array:
         """The forward pass of every row on its pending token, and the step's vote (lazy)."""
         assert self._vote is not None
-        if self.compiled is not None and len(self._rows) > 1:
-            logits = self.compiled(self.cache, self._vote[0])
-        else:  # one row: mlx-lm's own step (its gemv), as one at a time runs it
+        compiled = self._compiled_for(len(self._rows))
+        if compiled is not None:
+            logits = compiled(self.cache, self._vote[0])
+        else:
             inputs = self._vote[0][:, None]
             logits = self.engine.model(inputs, cache=self.cache.layers)[:, -1].astype(mx.float32)
         if self.on_logits is not None:
@@ -301,12 +307,17 @@ class BatchDecoder:
                 self.on_emptied(self.cache, slots)
             self._release()
             return None
+        self._fit_slots()
+        return mx.take(vote, mx.array(order), axis=1)
+
+    def _fit_slots(self) -> None:
+        """Rows left: where half the slots or more stand free, halve them (as often as that
+        holds), never below those reserved up front."""
         fewer = self.cache.slots
         while fewer // 2 >= max(len(self._rows), self._slots):
             fewer //= 2
         if fewer < self.cache.slots:
             self.cache.shrink(fewer)
-        return mx.take(vote, mx.array(order), axis=1)
 
     def _release(self) -> None:
         """The batch is empty: drop its KV buffers (they only grow while rows come and go) and

@@ -417,13 +417,17 @@ class LoopClock:
             if self.joined_tokens:
                 self.times.saw_prefill(self.joined_tokens, gap_s - step_s)
             elif self.joined_tokens is None and not self.unsampled:
-                first = self.first_gaps.setdefault(last_rows, [])
-                if len(first) < self.left_out:
-                    first.append(gap_s)
-                else:
-                    self.times.saw_step(last_rows, gap_s)
+                self._sample(last_rows, gap_s)
             self.unsampled = max(0, self.unsampled - 1)
         self.last, self.joined_tokens, self.aside_s = (rows, now, 0.0), None, 0.0
+
+    def _sample(self, rows: int, gap_s: float) -> None:
+        """A step's gap: a sample, unless it is one of the width's first `left_out`."""
+        first = self.first_gaps.setdefault(rows, [])
+        if len(first) < self.left_out:
+            first.append(gap_s)
+        else:
+            self.times.saw_step(rows, gap_s)
 
     def step_ended(self, now: float) -> None:
         if self.last is not None:
