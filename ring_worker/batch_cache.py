@@ -193,7 +193,7 @@ class SlotCache:
             self.keys = _grow(self.keys, 2, more)
             self.values = _grow(self.values, 2, more)
         if slots > have_slots:
-            more_slots = max(slots, 2 * have_slots) - have_slots
+            more_slots = grown_slots(have_slots, slots) - have_slots
             self.keys = _grow(self.keys, 0, more_slots)
             self.values = _grow(self.values, 0, more_slots)
 
@@ -204,6 +204,15 @@ class SlotCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
+
+
+def grown_slots(have: int, rows: int) -> int:
+    """The slots buffers of `have` slots grow to for `rows` rows: doubled until they hold them
+    (a join adds one row at a time, so a full buffer doubles)."""
+    slots = max(have, 1)
+    while slots < rows:
+        slots *= 2
+    return slots
 
 
 def _round_up(value: int, step: int) -> int:

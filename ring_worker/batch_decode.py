@@ -37,7 +37,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from ring_worker.batch_cache import BatchCache
+from ring_worker.batch_cache import BatchCache, grown_slots
 from ring_worker.compiled_step import CompiledStep
 from ring_worker.engine import Engine, PrefillResult, ProgressFn, RingEngine, StopFn
 from ring_worker.fused_linears import fuse_layers
@@ -166,10 +166,7 @@ class BatchDecoder:
         (eager) 5.5 in either (h200-service/slots-probe-h100-1448e4b.json)."""
         if self._compiled_for(rows) is None:
             return rows
-        slots = self.cache.slots or self._slots
-        while slots < rows:
-            slots *= 2
-        return slots
+        return grown_slots(self.cache.slots or self._slots, rows)
 
     def _compiled_for(self, rows: int) -> CompiledStep | None:
         """The compiled step a step of `rows` rows runs: two rows or more, where steps compile;
