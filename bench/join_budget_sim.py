@@ -13,10 +13,12 @@ warm-up times as the budget's start, also with each step's time drawn noisy (NOI
 the budget told every step time before the first job (`oracle`: what the rule itself can reach,
 learning aside), and a second burst run by the same group (`primed`: its times learned in the
 first); the oracle, noisy and primed cells run with the budget's lookahead
-(ring_worker/join_lookahead.py) off and on. The group
-learns its times as the service's does (JoinBudget.times: every step and prefill it runs). One at
-a time is the sum of each job's prefill and one-row steps, in queue order. Prints one line per
-cell.
+(ring_worker/join_lookahead.py) off and on; `primed_low`, a second burst after a first whose
+steps ran at 0.7x the cell's (its deadlines come out short). The group
+learns its times as the service's does (JoinBudget.times: every step and prefill it runs), and
+tells its budget when its batch empties, with the time of a job that ran alone (JoinBudget.emptied).
+One at a time is the sum of each job's prefill and one-row steps, in queue order. Prints one line
+per cell.
 """
 
 import json
@@ -111,11 +113,13 @@ def simulate(
         budget.times.saw_prefill(PROMPT_TOKENS, prefill_s)
     waiting = [Waiting(str(i), start, PROMPT_TOKENS, max_tokens) for i in range(jobs)]
     now, members, finished = start, dict[str, int](), dict[str, float]()
+    began, widest = dict[str, float](), dict[str, int]()  # each job's start, its most rows
     while waiting or members:
         free = waiting[: max_batch - len(members)]
         for job in waiting[: budget.admit(now, dict(members), free)]:
             if joins is not None:
                 joins.append(now)
+            began[job.job_id] = now
             now += prefill_s
             budget.times.saw_prefill(PROMPT_TOKENS, prefill_s)
             budget.arrive(job, prefill_s)
@@ -129,12 +133,18 @@ def simulate(
         step *= math.exp(level)
         budget.times.saw_step(len(members), step)
         now += step
+        alone = None
         for job_id in list(members):
             members[job_id] -= 1
+            widest[job_id] = max(widest.get(job_id, 0), len(members))
             if members[job_id] == 0:
                 finished[job_id] = now
+                if widest[job_id] == 1:
+                    alone = (job_id, now - began[job_id])
                 del members[job_id]
                 budget.left(job_id)
+        if not members:  # the batch emptied, as the service tells its budget
+            budget.emptied(now, alone)
     ends = [finished[str(i)] - start for i in range(jobs)]
     return outcome(ends, prefill_s, step_s, max_tokens)
 
@@ -166,6 +176,18 @@ def primed(step_s: Callable[[int], float], seed: int, lookahead: bool) -> dict:
     budget = JoinBudget(1.5, H200_SERVICE_WARM_UP, lookahead=lookahead)
     simulate(32, 0.12, step_s, 256, 32, 1.5, noise=NOISE, seed=seed, budget=budget)
     return simulate(32, 0.12, step_s, 256, 32, 1.5, noise=NOISE, seed=seed + 100, budget=budget,
+                    start=1e3)  # fmt: skip
+
+
+def primed_low(seed: int, low: float = 0.7) -> dict:
+    """A second burst of 32 in a group whose first burst's steps ran at `low` x the cell's (an
+    H100 group read its one-row step at 5.6 ms in a burst's first steps, where its jobs alone
+    then took 6.1-10.4 ms a step): its deadlines come out short."""
+    steps = H200_COMPILED_STEPS
+    budget = JoinBudget(1.5, H200_SERVICE_WARM_UP, lookahead=True)
+    simulate(32, 0.12, lambda n: low * steps(n), 256, 32, 1.5, noise=0.05, seed=seed,
+             budget=budget)  # fmt: skip
+    return simulate(32, 0.12, steps, 256, 32, 1.5, noise=0.05, seed=seed + 100, budget=budget,
                     start=1e3)  # fmt: skip
 
 
@@ -204,6 +226,9 @@ def main() -> None:
                                  walk=walk)  # fmt: skip
                 print(json.dumps({"cell": "h200-8b-service-compiled", "walk": walk, "noise": 0.05,
                                   "seed": seed, "burst": burst, **found}))  # fmt: skip
+    for seed in range(WALK_SEEDS):  # a second burst after a first whose steps read low
+        print(json.dumps({"cell": "h200-8b-service-compiled", "primed_low": 0.7, "noise": 0.05,
+                          "seed": seed, **primed_low(seed)}))  # fmt: skip
 
 
 if __name__ == "__main__":

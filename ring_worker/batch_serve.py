@@ -74,6 +74,7 @@ class _Member:
     load_s: float
     text: DecodeText  # its stop strings, and (lead rank) its text streamed as it decodes
     clock: ReportClock  # its decode progress's throttle
+    began: float  # perf_counter when it began to join (its prefill and records)
 
 
 def pace(rows: int) -> float:
@@ -177,7 +178,7 @@ class BatchServer:
             self.first_row = batch_buffer_tokens(len(job.tokens) + job.spec.max_tokens, 0)
         self.decoder.add(self.request(io, job, text, report), job.prefill)
         keep_beside_batch(self.engine, self.prefix, io, job)
-        self.members[io.job_id] = _Member(io, without_kv(job), load_s, text, clock)
+        self.members[io.job_id] = _Member(io, without_kv(job), load_s, text, clock, began)
         self.pace_members()
         tokens = len(job.tokens) - (job.start.tokens if job.start is not None else 0)
         self.loop_clock.prefilled(tokens, prefill_s)
@@ -239,6 +240,7 @@ class BatchServer:
         self.loop_clock.step_ended(ended)
         if self.decoder.busy and self.decoder.cache.slots < slots:
             self.loop_clock.shrank()  # rows left, and the buffers were copied to fewer slots
+        alone = self.ran_alone(results, ended)
         for result in results:
             self.finish(result)
         results_s = time.perf_counter() - ended
@@ -248,13 +250,25 @@ class BatchServer:
             self.pace_members()
         if not self.decoder.busy:  # the batch is over: where its time went
             self.loop_clock.batch_ended()
-            self.budget.emptied(time.time())
+            replaced = self.budget.emptied(time.time(), alone)  # a lone job: its time, as is
+            if alone is not None and replaced is not None:
+                log.info("group %s: job %s ran alone in %.2fs (its estimate: %.2fs); the jobs "
+                         "behind it are due as one at a time would finish them after that",
+                         self.ctx.group.group_id, alone[0], alone[1], replaced)  # fmt: skip
             log.info("group %s rank %d: batch of %s; %s; the join budget's %s; %s",
                      self.ctx.group.group_id, self.ctx.rank, self.joins.line(),
                      self.decoder.times.line(), self.budget.times.table(),
                      self.loop_clock.left_out_line())  # fmt: skip
             self.decoder.times, self.joins = StepTimes(), JoinTimes()
             self.write_profile()
+
+    def ran_alone(self, results: list[SequenceResult], now: float) -> tuple[str, float] | None:
+        """The job of `results` that decoded alone and was not cancelled, with its seconds from
+        the start of its join to `now` (a batch of one: the budget's one at a time, as is)."""
+        for result in results:
+            if result.max_batch_size == 1 and result.cancelled is None:
+                return result.key, now - self.members[result.key].began
+        return None
 
     def write_profile(self) -> None:
         """RINGQ_BATCH_PROFILE_DIR: the batch's 40 costliest functions (cumulative time)."""

@@ -36,6 +36,14 @@ time does (H200, 8B, 32 jobs of 4K tokens and 256 each: 55.65 s at batch size 1 
 loop, 55.57 s with RINGQ_MAX_BATCH=1, in one run). A one-row step by itself, less the loop
 around it and scaled by the warm-up's one-at-a-time ratio, said 4.2-4.7 ms where one at a time
 took 6.4: every deadline came out short, every lone job looked late, and no job ever joined.
+A job the group ran alone, start to finish, ran as one at a time runs it: its own time then
+replaces its estimate in one at a time's clock, and the deadlines of the jobs behind it follow
+(JoinBudget.emptied). Without it, a one-row step read low (an H100: 5.6 ms from a burst's first
+steps, 6.1-10.4 ms a step for its jobs alone later) made every deadline of the next burst short,
+and the whole burst ran one at a time. In bench.join_budget_sim's `primed_low` cells (a first
+burst at 0.7x the steps) that burst ran at 1.0x decode in 8 of 8 seeds; with it, 5.1-5.3x, no job
+past 1.34x. On the 10 % walk, one burst more of 24 ended a job past 1.5x (5, not 4): a lone job
+there ran on a slow stretch of the walk, while the sim's one at a time does not.
 Three guards keep a wrong guess from starving a member, since a join cannot be undone:
 - A row count not seen yet is estimated from above. Between two seen counts it is on the line
   through them; above every seen count, each added row costs what the seen counts' slope says
@@ -248,6 +256,9 @@ class JoinBudget:
         self.slowdown = slowdown
         self.times = GroupTimes(warm_up_s=dict(step_s or {}))
         self.deadlines: dict[str, float] = {}
+        # one at a time's clock of each job with a deadline, in the order the group saw them:
+        # its submission, its time alone as estimated, and when one at a time would finish it
+        self._virtual: dict[str, tuple[float, float, float]] = {}
         self._arrived: list[tuple[Waiting, float | None]] = []  # deadlines not fixed yet
         self._seen: set[str] = set()
         self._virtual_end = -math.inf  # when one at a time would finish the jobs seen so far
@@ -278,13 +289,44 @@ class JoinBudget:
                 for seen, measured in self._arrived
             ]
 
-    def emptied(self, now: float) -> None:
+    def emptied(self, now: float, alone: tuple[str, float] | None = None) -> float | None:
         """The batch emptied at `now` (unix time): one at a time is taken to have finished the
         jobs seen so far by then too, so a job arriving later is not given the time one at a
         time would still have spent on them (a second burst in a warm group would otherwise get
-        deadlines a whole burst late, and join as if unbounded)."""
+        deadlines a whole burst late, and join as if unbounded).
+
+        `alone`: the batch was one job, start to finish, and took that many seconds: what one at
+        a time does, so its time replaces its estimate in one at a time's clock, and the jobs
+        behind it get their deadlines from that. On an H100 (`82121f1`, 8B) a warm group's
+        one-row step read 5.6 ms from a burst's first steps, where its jobs alone then took
+        6.1-10.4 ms a step: every deadline of the next burst came out short, job 0 alone looked
+        late and held every join, each job behind it started late too, and the whole burst ran
+        one at a time (0.93x decode). Returns the estimate it replaced (None: none)."""
+        replaced = None
+        if alone is not None and self.times.settled and not self._arrived:
+            replaced = self._replace_estimate(*alone)
         self._virtual_end = min(self._virtual_end, now)
         self._arrived = [(job, s) for job, s in self._arrived if job.job_id in self._seen]
+        self._virtual = {key: clock for key, clock in self._virtual.items() if key in self._seen}
+        return replaced
+
+    def _replace_estimate(self, job_id: str, seconds: float) -> float | None:
+        """One at a time's clock with `job_id` taking `seconds`: it and the jobs seen after it
+        end that much later (or sooner), where they queued behind it, and their deadlines
+        move with their ends. Returns the estimate replaced."""
+        if job_id not in self._virtual:
+            return None
+        keys = list(self._virtual)
+        submitted, alone_s, end = self._virtual[job_id]
+        end += seconds - alone_s
+        for key in keys[keys.index(job_id) + 1 :]:
+            submitted, alone_s, _ = self._virtual[key]
+            end = max(end, submitted) + alone_s
+            self._virtual[key] = (submitted, alone_s, end)
+            if key in self.deadlines:
+                self.deadlines[key] = submitted + self.aim * (end - submitted)
+        self._virtual_end = end
+        return self._virtual[job_id][1]
 
     def left(self, job_id: str) -> None:
         self.deadlines.pop(job_id, None)
@@ -364,6 +406,7 @@ class JoinBudget:
                 allowed_s = self.aim * (virtual_end - job.submitted)
                 self.deadlines[job.job_id] = job.submitted + allowed_s
                 self.submitted[job.job_id] = job.submitted
+                self._virtual[job.job_id] = (job.submitted, alone_s, virtual_end)
         if self.times.settled:
             self._virtual_end, self._arrived = virtual_end, []
 

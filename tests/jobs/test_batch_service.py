@@ -164,6 +164,7 @@ def test_with_the_slowdown_bound_held_jobs_still_run_and_answer_as_alone(
     assert re.search(r"hand-off \d+\.\d\ds \(reads \d+\.\d\ds\), results \d+\.\d\ds;", logs)
     assert re.search(r"first gaps left out \{1: \d+\.\d", logs)  # a width's first: no samples
     assert "waits to join" in logs
+    assert "ran alone in" in logs  # a lone job's own time replaced its estimate
 
 
 def test_a_ring_of_two_with_replicated_kv_batches_too(one_at_a_time, tiny_llama_dir):

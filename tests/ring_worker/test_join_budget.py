@@ -303,6 +303,72 @@ def test_a_job_after_the_batch_emptied_is_not_given_the_time_one_at_a_time_still
     assert found.deadlines["j10"] == pytest.approx(9.0)
 
 
+def settled_with_three_jobs() -> JoinBudget:
+    """Three jobs submitted at 0, each estimated at 2 s alone: deadlines 3, 6 and 9 s (1.5x),
+    fixed (the times have settled)."""
+    found = budget()
+    for _ in range(SETTLED_STEPS):
+        found.times.saw_step(1, STEP_S[1])
+    for n in range(3):
+        found.arrive(job(n), prefill_s=1.0)
+    found.admit(0.0, {"j0": 10}, [])
+    return found
+
+
+@pytest.mark.parametrize(("took_s", "due"), [(4.0, [9.0, 12.0]), (1.5, [5.25, 8.25])])
+def test_a_job_that_ran_alone_gives_one_at_a_time_its_own_time(took_s, due):
+    """j0 ran alone start to finish, as one at a time runs it, in `took_s` where 2 s was
+    estimated: one at a time ends j1 and j2 that much later (or sooner) too, and their deadlines
+    are 1.5x of those ends (4 + 2 and 4 + 4 s; 1.5 + 2 and 1.5 + 4 s)."""
+    found = settled_with_three_jobs()
+    assert [found.deadlines[k] for k in ("j1", "j2")] == pytest.approx([6.0, 9.0])
+    found.left("j0")
+    assert found.emptied(took_s, alone=("j0", took_s)) == pytest.approx(2.0)
+    assert [found.deadlines[k] for k in ("j1", "j2")] == pytest.approx(due)
+
+
+def test_a_job_alone_moves_no_deadline_of_a_job_one_at_a_time_would_start_later():
+    """j1 is submitted at 10 s, after one at a time would have ended j0 even at its 4 s: its
+    clock starts at its own submission, as before."""
+    found = budget()
+    for _ in range(SETTLED_STEPS):
+        found.times.saw_step(1, STEP_S[1])
+    found.arrive(job(0), prefill_s=1.0)
+    found.arrive(job(1, submitted=10.0), prefill_s=1.0)
+    found.admit(0.0, {"j0": 10}, [])
+    found.left("j0")
+    found.emptied(4.0, alone=("j0", 4.0))
+    assert found.deadlines["j1"] == pytest.approx(13.0)
+
+
+def test_a_burst_whose_estimates_ran_short_still_joins_once_a_job_ran_alone():
+    """Every job alone takes 4 s where 2 s was estimated. j0 ran alone and ended at 4 s, so j1,
+    alone from 4 s, ends at 8 s: past the 6 s its estimate allowed, it would hold every join
+    (and so would each job behind it: the burst would run one at a time). With j0's own time,
+    j1 is due at 9 s, and j2 joins at 5 s: j1 then ends by 5 + 1 s (j2's prefill) + 10 steps
+    of two rows (0.11 s, x PLAN_MARGIN) = 7.2 s."""
+    held = settled_with_three_jobs()
+    held.left("j0")
+    held.emptied(4.0)
+    assert held.admit(5.0, {"j1": 10}, [job(2)]) == 0
+    joins = settled_with_three_jobs()
+    joins.left("j0")
+    joins.emptied(4.0, alone=("j0", 4.0))
+    assert joins.admit(5.0, {"j1": 10}, [job(2)]) == 1
+
+
+def test_a_job_alone_before_the_times_settled_replaces_no_estimate():
+    """Until the times settle, deadlines are recomputed from them at every admit anyway."""
+    found = budget()
+    assert not found.times.settled
+    found.arrive(job(0), prefill_s=1.0)
+    found.arrive(job(1), prefill_s=1.0)
+    found.admit(0.0, {"j0": 10}, [])
+    found.left("j0")
+    assert found.emptied(4.0, alone=("j0", 4.0)) is None
+    assert found.deadlines["j1"] == pytest.approx(6.0)
+
+
 def test_deadlines_follow_the_step_time_until_it_settles():
     """A first step time is a guess (the step after a join reads that join's own token):
     deadlines move with the group's times until SETTLED_STEPS samples, then stay fixed."""
