@@ -317,7 +317,7 @@ class BatchDecoder:
             self.cache.shrink(fewer)
 
     def _release(self) -> None:
-        """The batch is empty: drop its KV buffers (they only grow while rows come and go) and
+        """The batch is empty: drop its KV buffers (they outlive rows that come and go) and
         MLX's cache of freed buffers, so an idle group holds no more than its weights and what
         `on_emptied` kept (the memory tier's prompt, within the row its reservation keeps; the
         batch share is given back as its last job leaves: jobs/warm_groups.py)."""
