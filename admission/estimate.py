@@ -28,12 +28,13 @@ SHARDED_SCORE_COPIES = 2.2  # sharded ring: partials over every rank's past, mer
 STORED_COPIES = 1.5  # dequantizing: packed weights plus float32 scales and biases
 EMBEDDING_TRANSIENT = 0.6  # of the dense embedding, while it is dequantized
 # Fitted on one H200 (MLX CUDA 0.32.4, bf16, 8B and 1B shapes, 8K-128K tokens, 16K chunks),
-# prefill paced layer by layer (ring_worker/pacing.py: before it, MLX's queued kernels held
+# prefill paced layer by layer (ring_worker/engine/pacing.py: before it, MLX's queued kernels held
 # 8-12 GiB more on the 8B shape): about three layers' tensors are alive (two queued, one being
 # built), and while mlx-lm's KVCache grows, about three layers' KV are copied at once.
 GPU_ACTIVATION_COPIES = 3  # of one layer's hidden and MLP tensors for one chunk
 GPU_KV_LAYER_COPIES = 3  # of one layer's KV (the cache's growth copies)
-# Checkpoints (ring_worker/checkpoint.py) hold copies of the KV added since the last one written:
+# Checkpoints (ring_worker/engine/checkpoint.py) hold copies of the KV added since the last one
+# written:
 # at most HELD_SEGMENTS segments of at most max_segment_tokens each.
 HELD_SEGMENTS = 2  # one being written, one queued
 
@@ -209,7 +210,8 @@ def activation_bytes(
 
 @dataclass(frozen=True)
 class BatchRow:
-    """One sequence's row of a decode batch (ring_worker/batch_cache.py): the positions of its
+    """One sequence's row of a decode batch (ring_worker/engine/batch_cache.py): the positions of
+    its
     prompt and of its answer."""
 
     prompt_tokens: int

@@ -2,7 +2,7 @@
 estimates count by them (pure)."""
 
 # Ring attention attends earlier chunks' keys in tiles this long, so score matrices stay bounded
-# (ring_worker/ring_attention.py); the estimate of a ring's scores counts one tile.
+# (ring_worker/engine/ring_attention.py); the estimate of a ring's scores counts one tile.
 PAST_TILE_TOKENS = 4096
 
 

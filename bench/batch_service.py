@@ -53,7 +53,7 @@ from pathlib import Path
 
 import click
 
-from bench.batch_decode import mlx_lm_batch
+from bench.decode_throughput import mlx_lm_batch
 from cli.bench_machine import machine_info
 from jobs.lifecycle import JobState
 from jobs.model_catalog import resolve_model
@@ -229,10 +229,10 @@ def compare(batched: dict, alone: dict, reference_s: list[float]) -> dict:
 def mlx_lm_end_to_end(model: str, prompts: list[list[int]], max_tokens: int) -> dict:
     """mlx-lm's batch_generate over the same prompt tokens, all in one batch, its prefill step
     its default, stopping at the model's EOS as the service does; the model is loaded as a
-    rank loads it (ring_worker/models.py), and neither the load nor a warm-up (two of the
+    rank loads it (ring_worker/engine/models.py), and neither the load nor a warm-up (two of the
     prompts, 2 tokens: on a GPU its first call compiles kernels) is timed, as the service's
     warm group is warm."""
-    from ring_worker.models import load_for_this_device
+    from ring_worker.engine.models import load_for_this_device
 
     resolved = resolve_model(model, allowed_dirs=None)
     loaded, tokenizer = load_for_this_device(resolved), load_tokenizer(resolved)

@@ -4,7 +4,7 @@ together where that is faster"), side by side in one process, rounds alternated:
   forward pass a chunk), 1 token each;
 - "one by one": the same call prefilling one prompt at a time (`prefill_batch_size=1`);
 - "engine": ringq's `Engine.prefill`, one prompt after another, as a batching group prefills its
-  joiners (ring_worker/batch_serve.py).
+  joiners (ring_worker/runtime/batch_serve.py).
 Prefill tok/s = prompt tokens / prompt seconds (mlx-lm's own stats; the engine's summed prefill
 times). The prompts are windows of the bundled document, 3 tokens apart in length.
 
@@ -22,7 +22,7 @@ import time
 from importlib.resources import files
 from pathlib import Path
 
-from bench.batch_decode import backend_name, make_prompts, mlx_lm_batch, reexec_with_openblas
+from bench.decode_throughput import backend_name, make_prompts, mlx_lm_batch, reexec_with_openblas
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("together", "one_by_one", "engine")
@@ -34,9 +34,9 @@ def main() -> int:
     from admission.group_plan import CPU_CHUNK_TOKENS
     from jobs.model_catalog import resolve_model
     from jobs.tokenizer import load_tokenizer
-    from ring_worker.devices import cap_device_memory
-    from ring_worker.engine import Engine
-    from ring_worker.models import load_for_this_device
+    from ring_worker.engine.devices import cap_device_memory
+    from ring_worker.engine.engines import Engine
+    from ring_worker.engine.models import load_for_this_device
 
     cap_device_memory()
     backend = backend_name()

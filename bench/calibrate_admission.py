@@ -25,7 +25,7 @@ from cli.bench import build_prompts
 from jobs.model_catalog import default_dtype, read_model_shape, resolve_model
 from jobs.schemas import JobKind, JobSpec
 from jobs.settings import get_settings
-from ring_worker.local_group import run_local
+from ring_worker.runtime.local_group import run_local
 
 MIB = 1024**2
 LAYOUTS = [

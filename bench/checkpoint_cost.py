@@ -7,7 +7,8 @@ RINGQ_CHECKPOINT_TOKENS (one process, one device, mlx-lm's own chunked prefill).
 At every chunk boundary: the chunk's prefill time, then (outside that time) what a checkpoint
 segment of that chunk costs: `snapshot` (on the compute path: evaluated copies of the chunk's
 new KV) and the write (the writer thread's work: mlx-lm's save_prompt_cache of that segment).
-Checkpoints write only what was added since the last (ring_worker/checkpoint.py), so one every
+Checkpoints write only what was added since the last (ring_worker/engine/checkpoint.py), so one
+every
 E tokens writes the same bytes as E / chunk of these segments, in fewer files: summing them is
 an upper bound of its cost. From those, for each interval E and prompt length L: the
 checkpoints' cost over the prefill's, with the write counted in full (on a CPU node the writer
@@ -26,8 +27,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 from jobs.model_catalog import resolve_model
-from ring_worker.checkpoint import snapshot
-from ring_worker.models import load_for_this_device
+from ring_worker.engine.checkpoint import snapshot
+from ring_worker.engine.models import load_for_this_device
 
 OUT = Path(__file__).parent / "results"
 INTERVALS = (512, 1024, 2048, 4096, 8192, 16384)

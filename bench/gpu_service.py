@@ -8,7 +8,7 @@ finished, prefill tok/s and load time, cold (the first job of a fresh group) and
 Each prompt length gets a fresh `ringq up` (its first job is a cold group), then `--warm`
 more jobs on the same group. Each job's document is a different rotation of the text, so a
 warm job prefills its whole prompt (the same document would start from the kept prefix:
-bench.prefix_reuse measures that). `--env KEY=VALUE` runs a variant (e.g. RINGQ_WARM_UP=0).
+bench.prefix_speedup measures that). `--env KEY=VALUE` runs a variant (e.g. RINGQ_WARM_UP=0).
 Times come from the job records (server-side clocks): created_at, prefill_started_at, and the
 finishing transition's updated_at.
 """

@@ -1,4 +1,4 @@
-"""Paired comparisons for bench/batch_decode.py: ours and mlx-lm's decoders alive side by side,
+"""Paired comparisons for bench/decode_throughput.py: ours and mlx-lm's decoders alive side by side,
 stepping in alternating blocks of BLOCK_STEPS (each block ends synchronised, its first step is not
 timed), so that a shared machine's changing load touches both alike."""
 
@@ -17,8 +17,8 @@ def paired_blocks(model: Any, prompt: list[int], args: argparse.Namespace) -> di
     import mlx.core as mx
     from mlx_lm.generate import generate_step, generation_stream
 
-    from ring_worker.batch_decode import BatchDecoder, DecodeRequest
-    from ring_worker.engine import Engine
+    from ring_worker.engine.batch_decode import BatchDecoder, DecodeRequest
+    from ring_worker.engine.engines import Engine
 
     steps = generate_step(
         mx.array(prompt), model, max_tokens=args.max_tokens, prefill_step_size=args.chunk_tokens
@@ -71,8 +71,8 @@ def paired_batch_blocks(
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
-    from ring_worker.batch_decode import BatchDecoder, DecodeRequest
-    from ring_worker.engine import Engine
+    from ring_worker.engine.batch_decode import BatchDecoder, DecodeRequest
+    from ring_worker.engine.engines import Engine
 
     count = len(prompts)
     generator = BatchGenerator(

@@ -1,4 +1,4 @@
-"""The service side of bench/prefix_reuse.py: the same questions as jobs through a local
+"""The service side of bench/prefix_speedup.py: the same questions as jobs through a local
 cluster (its own Redis, dispatcher and node agents), once with RINGQ_PREFIX_CACHE=off (each
 question submitted after the previous one finished) and once with it on (all questions
 submitted at once, as `ringq submit generate DOC --prompt Q1 ... --prompt Q8` does)."""

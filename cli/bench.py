@@ -43,9 +43,9 @@ from jobs.model_catalog import read_model_shape, resolve_model
 from jobs.schemas import JobKind, JobResult, JobSpec
 from jobs.settings import Settings, get_settings
 from jobs.tokenizer import ChatTokenizer, load_tokenizer
-from ring_worker.devices import node_backend
-from ring_worker.local_group import LocalRunError, run_local
-from ring_worker.processes import rank_environment, spawn_rank, wait_all
+from ring_worker.engine.devices import node_backend
+from ring_worker.runtime.local_group import LocalRunError, run_local
+from ring_worker.runtime.processes import rank_environment, spawn_rank, wait_all
 
 PROMPT_TEXT = Path(__file__).parent / "demo" / "document.md"
 WIDE_COLUMNS = 160  # a table written to a file or pipe is not cut to 80 columns
@@ -319,11 +319,11 @@ def run_cell(
 def run_baseline(
     model: str, tokens: list[int], config: dict[str, Any], scratch: Path, blas: str
 ) -> JobResult:
-    """Plain mlx-lm in one fresh process (ring_worker/baseline.py), as a rank would run."""
+    """Plain mlx-lm in one fresh process (ring_worker/engine/baseline.py), as a rank would run."""
     scratch.mkdir(parents=True, exist_ok=True)
     (scratch / "tokens.json").write_text(json.dumps(tokens))
     out, log_path = scratch / "result.json", scratch / "baseline.log"
-    argv = ["-m", "ring_worker.baseline", "--model", model, "--tokens-file"]
+    argv = ["-m", "ring_worker.engine.baseline", "--model", model, "--tokens-file"]
     argv += [str(scratch / "tokens.json"), "--max-tokens", str(config["tg"])]
     argv += ["--chunk-tokens", str(config["chunk_tokens"]), "--out", str(out)]
     process = spawn_rank(argv, rank_environment(blas), log_path)

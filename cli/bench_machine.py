@@ -15,7 +15,7 @@ import psutil
 
 from admission.model_shape import ModelShape
 from jobs.settings import Settings
-from ring_worker.processes import find_openblas, rank_environment
+from ring_worker.runtime.processes import find_openblas, rank_environment
 
 BACKEND_PROBE = (
     "import mlx.core as mx; "

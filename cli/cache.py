@@ -9,7 +9,7 @@ from rich.table import Table
 from cli.common import echo_json, redis_connection
 from jobs.prefix_cache import CacheEntry
 from jobs.prefix_index import PrefixIndex
-from ring_worker.prefix_reuse import drop_entry
+from ring_worker.runtime.prefix_reuse import drop_entry
 
 console = Console()
 

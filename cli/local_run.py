@@ -16,7 +16,7 @@ from jobs.prompts import tokenize_and_check
 from jobs.schemas import Progress
 from jobs.settings import get_settings
 from jobs.submit import new_job_id
-from ring_worker.local_group import LocalRunError, run_local
+from ring_worker.runtime.local_group import LocalRunError, run_local
 
 
 @click.command()

@@ -26,8 +26,8 @@ from jobs.schemas import JobKind, JobSpec
 from jobs.settings import Settings, get_settings
 from jobs.store import JobStore
 from jobs.submit import submit_job
-from ring_worker.devices import LocalNode, cuda_memory_bytes, installed_gpus, local_nodes
-from ring_worker.node_agent import NodeAgent, log_tail
+from ring_worker.engine.devices import LocalNode, cuda_memory_bytes, installed_gpus, local_nodes
+from ring_worker.runtime.node_agent import NodeAgent, log_tail
 
 console = Console(stderr=True)
 log = logging.getLogger(__name__)

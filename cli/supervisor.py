@@ -13,22 +13,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from subprocess import Popen
+from typing import Protocol
 
 import redis
 
 from jobs.errors import RingqError
-from jobs.redis_server import ensure_redis
+from jobs.redis_server import RedisHandle, ensure_redis
 from jobs.service_status import (
     ServiceState,
     ServiceStatus,
     clear_service_statuses,
     write_service_status,
 )
-from ring_worker.node_agent import log_tail
-
-if TYPE_CHECKING:
-    from cli.services import LocalCluster
+from jobs.settings import Settings
+from ring_worker.runtime.node_agent import log_tail
 
 log = logging.getLogger(__name__)
 REDIS_LABEL = "redis"
@@ -79,12 +78,26 @@ class _Track:
         )
 
 
+class Supervised(Protocol):
+    """What a supervisor watches (cli/services.py `LocalCluster`): its children, each restarted
+    by label, and the Redis it may have started."""
+
+    children: list[tuple[str, Popen, Path]]
+    redis: RedisHandle | None
+    settings: Settings
+
+    @property
+    def url(self) -> str: ...
+
+    def restart(self, label: str) -> Popen: ...
+
+
 class Supervisor:
     """Call `tick()` every fraction of a second from `up`'s loop; it never blocks for long."""
 
     def __init__(
         self,
-        cluster: "LocalCluster",
+        cluster: Supervised,
         policy: RestartPolicy | None = None,
         say: Callable[[str], None] = log.warning,
         clock: Callable[[], float] = time.monotonic,

@@ -1,4 +1,5 @@
-"""Where a job's prefill checkpoints lie (ring_worker/checkpoint.py writes them to each rank's
+"""Where a job's prefill checkpoints lie (ring_worker/engine/checkpoint.py writes them to each
+rank's
 node-local disk): every rank records its part in Redis when it writes or deletes it, and the
 dispatcher places a retry where all parts are, so it continues instead of starting over.
 

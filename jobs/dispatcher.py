@@ -315,7 +315,8 @@ class Dispatcher:
     def offer(self, group: GroupSpec, place: Place) -> None:
         """A new group that batches is offered once its job is admitted, so jobs join it while
         it starts. Its ranks then start and serve what joined even if that job is cancelled
-        before they load (ring_worker/serve_loop.py `start_engine`, the node agents' `stale`)."""
+        before they load (ring_worker/runtime/serve_loop.py `start_engine`, the node agents'
+        `stale`)."""
         if group_batch_limit(group, self.settings) > 1:
             self.warm.offer(group, place.bytes_per_node, place.plan.chunk_tokens)
 
@@ -357,7 +358,7 @@ class Dispatcher:
     def start_ranks(self, group: GroupSpec) -> None:
         for rank, name in enumerate(group.nodes):
             node_queue(self.conn, name).enqueue(
-                "ring_worker.node_agent.start_rank",
+                "ring_worker.runtime.node_agent.start_rank",
                 group.model_dump(mode="json"),
                 rank,
                 job_timeout=60,

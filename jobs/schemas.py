@@ -187,7 +187,9 @@ class NodeInfo(_Message):
     pid: int
     started_at: float
     heartbeat_at: float
-    incarnation: str = ""  # new at every start of the node's agent (ring_worker/node_ranks.py)
+    incarnation: str = (
+        ""  # new at every start of the node's agent (ring_worker/runtime/node_ranks.py)
+    )
 
 
 class GroupSpec(_Message):

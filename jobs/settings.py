@@ -109,21 +109,6 @@ class Settings(BaseSettings):
         "(continuous batching; 1: one job at a time); unset: the backend's default "
         "(DEFAULT_MAX_BATCH: 8 on CPU and Metal, 32 on CUDA).",
     )
-    max_slowdown: float | None = Field(
-        default=None,
-        ge=1.0,
-        description="Bound how much continuous batching may delay a job: a job joins a running "
-        "batch only if every member still finishes within this many times what it would take "
-        "one at a time behind the same queue order (ring_worker/join_budget.py; e.g. 1.5). "
-        "Unset: no bound, every job joins at once (the most throughput).",
-    )
-    join_lookahead: bool = Field(
-        default=True,
-        description="Under RINGQ_MAX_SLOWDOWN, weigh each join against holding it (ring_worker/"
-        "join_lookahead.py) once the group has measured steps at 3/4 of the rows its batch and "
-        "queue would fill (a warm group's later bursts); off: a job joins as soon as every "
-        "member still makes its deadline.",
-    )
     batch_profile_dir: Path | None = Field(
         default=None,
         description="Diagnostics: rank 0 of a batching group profiles each batch (cProfile, "
@@ -142,7 +127,7 @@ class Settings(BaseSettings):
         gt=0,
         description="Disk that the prefill checkpoints of a node's ranks may take (under "
         "RINGQ_HOME/checkpoints/<job>/<node>); past it they are skipped. Apart from "
-        "RINGQ_CACHE_BYTES: ring_worker/checkpoint.py says why.",
+        "RINGQ_CACHE_BYTES: ring_worker/engine/checkpoint.py says why.",
     )
     backend: Literal["auto", Device] = Field(
         default="auto",

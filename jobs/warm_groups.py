@@ -16,7 +16,7 @@ holds fewer than the limit, and never to an idle or retired group. Its ranks tak
 between decode steps (`joined`), so a job joins the batch at the next step. The batch is also
 the list of jobs the reconciler retries when the group is lost (jobs/recovery.py).
 
-Memory: the batch's KV lives in one buffer per layer (ring_worker/batch_cache.py) of `slots`
+Memory: the batch's KV lives in one buffer per layer (ring_worker/engine/batch_cache.py) of `slots`
 rows, each as long as the longest row it has held (its prompt and answer) plus the longest
 answer, in 256-token steps (admission.estimate `batch_buffer_tokens`: rows are aligned at their
 ends); rows double when a job joins a full buffer, and halve as jobs leave half or more of them
@@ -91,7 +91,8 @@ return 1
 # capacity. A busy group (offered, not
 # idle, not retired) takes one more job while its batch has room and every node's reservations
 # (all of them, expired leases too: conservative) can grow to hold the buffer after the join: as
-# many rows as ring_worker/batch_cache.py then allocates (doubling), each of the longest row's
+# many rows as ring_worker/engine/batch_cache.py then allocates (doubling), each of the longest
+# row's
 # positions plus the longest answer's, in growth steps (admission.estimate
 # `batch_buffer_tokens`), at the job's bytes per position (the same for every row of the group;
 # its own row's bytes are for its positions in growth steps).
@@ -129,7 +130,7 @@ for i = 5 + nodes, #KEYS do redis.call('RPUSH', KEYS[i], ARGV[2]) end
 return 1
 """
 # KEYS: batch hash, buffer hash, then each node's reserved hash. ARGV: group id, job id. A job
-# leaves the batch; when it was the last, the buffer is dropped (ring_worker/batch_decode.py)
+# leaves the batch; when it was the last, the buffer is dropped (ring_worker/engine/batch_decode.py)
 # and the bytes the joins added come off the group's reservation (if it still holds one).
 _LEAVE = """
 redis.call('HDEL', KEYS[1], ARGV[2])
@@ -291,22 +292,16 @@ class WarmGroups:
         group: GroupSpec,
         rank: int,
         agree: Callable[[int], int],
-        admit: Callable[[list[str]], int] | None = None,
     ) -> list[str]:
         """Between decode steps, every rank: the jobs handed to the group since, the same on
-        every rank. Rank 0 takes what its list holds, or with `admit` as many of them (in
-        order) as it says; the rest wait there, for a later step or the group's next job.
-        `agree` (a collective: rank 0's count to every rank) tells the others how many words
+        every rank. Rank 0 takes what its list holds (the dispatcher hands over no more than
+        the batch's free rows). `agree` (a collective: rank 0's count to every rank) tells the
+        others how many words
         to take from theirs (already pushed there, in the same order, by the same script)."""
         own = next_key(group.group_id, rank)
         words: list[bytes | str] = []
         if rank == 0:
-            take = JOIN_TAKE_MAX
-            if admit is not None:
-                waiting = [_text(w) for w in self.conn.lrange(own, 0, JOIN_TAKE_MAX - 1)]
-                take = admit(waiting) if waiting else 0
-            # only the dispatcher adds to the list, at its tail: these are the ones peeked
-            popped_now = (self.conn.lpop(own, take) if take else None) or []
+            popped_now = self.conn.lpop(own, JOIN_TAKE_MAX) or []
             words = list(popped_now) if isinstance(popped_now, list) else [popped_now]
         count = agree(len(words))
         while len(words) < count:

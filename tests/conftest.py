@@ -68,7 +68,7 @@ def redis_conn(redis_url: str) -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A tiny random-weight Llama (float32) with SmolLM2's tokenizer, shared by the session."""
-    from ring_worker.models import make_tiny_model_dir
+    from ring_worker.engine.models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama")
 

@@ -17,7 +17,7 @@ from jobs.lifecycle import JobState
 from jobs.schemas import JobRecord, Placement
 from jobs.settings import Settings
 from jobs.store import JobStore
-from ring_worker.node_ranks import recorded_rank
+from ring_worker.runtime.node_ranks import recorded_rank
 
 WAIT_S = 60
 LONG_DOCUMENT = "Ring attention splits a long prompt over several machines. " * 300  # ~3,000 tok

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from bench.chaos_soak import Progress, SoakConfig, next_kind, rss_growth, run_soak
+from bench.chaos.soak import Progress, SoakConfig, next_kind, rss_growth, run_soak
 from tests.helpers import short_tmp_dir
 
 

@@ -1,8 +1,8 @@
-"""bench.slots_probe --shrink on a tiny model: half the rows leave, the buffers halve in the call
+"""bench.probes.slots --shrink on a tiny model: half the rows leave, the buffers halve in the call
 they leave in, and the probe finds that call and reads the gaps around it."""
 
-from bench.slots_probe import shrink_gaps
-from ring_worker.engine import Engine
+from bench.probes.slots import shrink_gaps
+from ring_worker.engine.engines import Engine
 from tests.ring_worker.equivalence_rank import prompt_tokens
 from tests.ring_worker.tiny import load_tiny, save_tiny
 

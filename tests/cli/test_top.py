@@ -76,7 +76,9 @@ def busy(redis_conn):
         ids[1], JobState.ADMITTED, placement=placement.model_copy(update={"nodes": ["node-1"]})
     )
     store.fail(ids[4], "gone")
-    node_queue(redis_conn, "node-1").enqueue("ring_worker.node_agent.start_rank", {"x": 1}, 0)
+    node_queue(redis_conn, "node-1").enqueue(
+        "ring_worker.runtime.node_agent.start_rank", {"x": 1}, 0
+    )
     idle = GroupSpec(
         group_id="warm1",
         job_id="job-old",

@@ -191,7 +191,8 @@ def test_a_job_waits_for_an_in_flight_prefill_of_its_prefix():
 @pytest.mark.parametrize("held_gib", [30, 100])
 def test_a_warm_placement_records_the_jobs_own_need_beside_what_the_group_holds(held_gib):
     """The memory tier may use what the group holds beyond the job's own need
-    (ring_worker/memory_tier.py): a group that ran a larger job leaves room, a smaller one none."""
+    (ring_worker/engine/memory_tier.py): a group that ran a larger job leaves room, a smaller one
+    none."""
     warm = idle_group(["g0", "g1"])
     held = {n: {"warm1": held_gib * GIB} for n in ("g0", "g1")}
     place = plan_admission(job(131072), Cluster(GPUS, held, [(warm, held_gib * GIB)]), SETTINGS)

@@ -1,6 +1,6 @@
 """What a joining job adds to its group's reservation (jobs/warm_groups.py `join`, from
 admission.estimate `batch_row_bytes` and `batch_buffer_tokens`) holds what the decode batch
-really allocates (ring_worker/batch_cache.py), and at most the longest answer's room per row
+really allocates (ring_worker/engine/batch_cache.py), and at most the longest answer's room per row
 more: rows are aligned at their ends, so a row may need the longest row's length plus its own
 answer, and rows double as jobs join a full buffer (the reservation stays as rows leave and the
 buffer shrinks, until the batch empties). Table test: a real Redis counts, a real
@@ -16,8 +16,8 @@ from jobs.model_catalog import read_model_shape, resolve_model
 from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec
 from jobs.warm_groups import WarmGroups
-from ring_worker.batch_decode import BatchDecoder, DecodeRequest
-from ring_worker.engine import Engine
+from ring_worker.engine.batch_decode import BatchDecoder, DecodeRequest
+from ring_worker.engine.engines import Engine
 from tests.ring_worker.equivalence_rank import prompt_tokens
 from tests.ring_worker.tiny import load_tiny, save_tiny
 

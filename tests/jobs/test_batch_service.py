@@ -141,30 +141,23 @@ def test_a_rank_killed_mid_batch_retries_every_job_of_the_batch_once(batching, t
         assert completions_of_finished(batching, job_id) == 1
 
 
-def test_with_the_slowdown_bound_held_jobs_still_run_and_answer_as_alone(
+def test_a_second_burst_batches_in_the_same_warm_group_and_answers_as_alone(
     one_at_a_time, tiny_llama_dir
 ):
-    """RINGQ_MAX_SLOWDOWN=1 admits a join only if no member finishes later than it would one
-    at a time: jobs that wait to join run later (in the same group, at a later step or once
-    the batch empties) and still answer exactly as alone. A second burst, once the batch has
-    emptied, runs in the same warm group, whose budget now knows its steps (its deadlines
-    restart from their own submission, and the join lookahead, on by default, may act)."""
-    env = {"RINGQ_MAX_BATCH": "4", "RINGQ_MAX_SLOWDOWN": "1"}
-    with cluster_with("bslow", env, 1, PORT_BASE + 300) as bounded:
-        store = JobStore(connect(bounded.url))
+    """Once a batch has emptied, the next burst runs in the same warm group, batched again,
+    and every job still answers exactly as alone; the group logs where each batch's time went."""
+    env = {"RINGQ_MAX_BATCH": "4"}
+    with cluster_with("bagain", env, 1, PORT_BASE + 300) as batching:
+        store = JobStore(connect(batching.url))
         records = run_together(store, [generate(tiny_llama_dir, d) for d in DOCUMENTS])
         wait_for(partial(batch_empty, store, records[0].placement.group_id), "an empty batch")
         again = run_together(store, [generate(tiny_llama_dir, d) for d in DOCUMENTS])
-        logs = "".join(p.read_text() for p in (bounded.settings.home / "logs").glob("*rank0.log"))
+        logs = "".join(p.read_text() for p in (batching.settings.home / "logs").glob("*rank0.log"))
     for burst in (records, again):
         assert [r.result.text for r in burst] == [one_at_a_time[d] for d in DOCUMENTS]
     assert len({r.placement.group_id for r in records + again}) == 1
-    assert logs.count("the join budget's step ms by rows {1: ") >= 2  # what it went by, a batch
-    # the first reads of jobs handed over, and the leaving jobs' results: set aside, not steps
-    assert re.search(r"hand-off \d+\.\d\ds \(reads \d+\.\d\ds\), results \d+\.\d\ds;", logs)
-    assert re.search(r"first gaps left out \{1: \d+\.\d", logs)  # a width's first: no samples
-    assert "waits to join" in logs
-    assert "ran alone in" in logs  # a lone job's own time replaced its estimate
+    assert max(r.result.batch_size for r in again) > 1
+    assert len(re.findall(r"hand-off \d+\.\d\ds, results \d+\.\d\ds;", logs)) >= 2
 
 
 def test_a_ring_of_two_with_replicated_kv_batches_too(one_at_a_time, tiny_llama_dir):

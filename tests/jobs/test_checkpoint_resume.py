@@ -15,7 +15,7 @@ from jobs.redis_server import connect
 from jobs.schemas import JobKind, JobSpec
 from jobs.store import JobStore
 from jobs.submit import submit_job
-from ring_worker.checkpoint import SUFFIX, checkpoint_bytes
+from ring_worker.engine.checkpoint import SUFFIX, checkpoint_bytes
 from tests.helpers import LONG_DOCUMENT, final_record, private_cluster, rank_pid, wait_for
 
 ENV = {

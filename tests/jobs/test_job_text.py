@@ -15,7 +15,7 @@ from jobs.job_text import (
 )
 from jobs.schemas import JobKind, JobSpec
 from jobs.store import JobStore
-from ring_worker.job_io import RedisJobIO
+from ring_worker.runtime.job_io import RedisJobIO
 
 JOB_TTL_S = 3600
 

@@ -26,7 +26,7 @@ from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec, NodeInfo, Place
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import admit_data
-from ring_worker.job_io import RedisJobIO
+from ring_worker.runtime.job_io import RedisJobIO
 
 
 @pytest.fixture

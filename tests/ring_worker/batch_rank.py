@@ -8,11 +8,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ring_worker.batch_decode import BatchDecoder, DecodeRequest, SequenceResult
-from ring_worker.engine import Engine, RingEngine
-from ring_worker.fused_linears import fuse_layers
-from ring_worker.group import join_group
-from ring_worker.rows_attention import install_rows_attention, reference_attention
+from ring_worker.engine.batch_decode import BatchDecoder, DecodeRequest, SequenceResult
+from ring_worker.engine.engines import Engine, RingEngine
+from ring_worker.engine.fused_linears import fuse_layers
+from ring_worker.engine.group import join_group
+from ring_worker.engine.rows_attention import install_rows_attention, reference_attention
 from tests.ring_worker.equivalence_rank import prompt_tokens
 from tests.ring_worker.tiny import load_tiny
 

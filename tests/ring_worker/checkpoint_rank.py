@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import cast
 
-from ring_worker.checkpoint import Checkpointer, read_checkpoint
-from ring_worker.engine import Cancelled, Engine
-from ring_worker.group import join_group
-from ring_worker.strategies import make_engine
+from ring_worker.engine.checkpoint import Checkpointer, read_checkpoint
+from ring_worker.engine.engines import Cancelled, Engine
+from ring_worker.engine.group import join_group
+from ring_worker.engine.strategies import make_engine
 from tests.ring_worker.equivalence_rank import prompt_tokens
 from tests.ring_worker.tiny import load_tiny
 

@@ -9,11 +9,11 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from ring_worker.engine import Engine
-from ring_worker.group import join_group
-from ring_worker.pacing import paced_layers
-from ring_worker.ring_attention import Exchange, KVLayout
-from ring_worker.strategies import make_engine
+from ring_worker.engine.engines import Engine
+from ring_worker.engine.group import join_group
+from ring_worker.engine.pacing import paced_layers
+from ring_worker.engine.ring_attention import Exchange, KVLayout
+from ring_worker.engine.strategies import make_engine
 from tests.ring_worker.tiny import load_tiny
 
 DECODE_TOKENS = 12

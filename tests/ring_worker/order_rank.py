@@ -7,8 +7,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ring_worker.engine import RingEngine
-from ring_worker.group import join_group
+from ring_worker.engine.engines import RingEngine
+from ring_worker.engine.group import join_group
 from tests.ring_worker.tiny import load_tiny
 
 EVENTS: list[dict] = []

@@ -10,11 +10,11 @@ from typing import cast
 from jobs.prefix_cache import Layout
 from jobs.prefix_index import PrefixIndex
 from jobs.redis_server import connect
-from ring_worker.cache_store import node_store
-from ring_worker.group import join_group
-from ring_worker.prefix_reuse import RankPrefixCache, view_of
-from ring_worker.ring_attention import Exchange, KVLayout
-from ring_worker.strategies import make_engine
+from ring_worker.engine.group import join_group
+from ring_worker.engine.ring_attention import Exchange, KVLayout
+from ring_worker.engine.strategies import make_engine
+from ring_worker.runtime.cache_store import node_store
+from ring_worker.runtime.prefix_reuse import RankPrefixCache, view_of
 from tests.ring_worker.tiny import load_tiny
 
 CHUNK_TOKENS = 96

@@ -1,4 +1,5 @@
-"""A decode batch's rows are aligned at their ends (ring_worker/batch_cache.py): every row holds
+"""A decode batch's rows are aligned at their ends (ring_worker/engine/batch_cache.py): every row
+holds
 exactly its own positions, in order, ending at the common column, through joins that move the
 rows right (a longer joiner) or left (a join the buffer cannot hold: compaction), steps, and
 leaves. Each position's K/V is a number naming its sequence and position, so any misplaced
@@ -8,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from ring_worker.batch_cache import BatchCache
+from ring_worker.engine.batch_cache import BatchCache
 
 LAYERS, HEADS, DIM = 2, 2, 4
 

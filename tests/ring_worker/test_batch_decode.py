@@ -1,6 +1,6 @@
 """Continuous batching must not change any sequence: at every decode step each sequence's logits
 are within 1e-4 (float32, CPU) of running it alone through plain mlx-lm, and its greedy tokens
-are the same, whatever joins or leaves around it (ring_worker/batch_decode.py)."""
+are the same, whatever joins or leaves around it (ring_worker/engine/batch_decode.py)."""
 
 import functools
 import json
@@ -11,10 +11,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from ring_worker.batch_decode import MEASURED_ROWS, BatchDecoder, DecodeRequest, warm_up
-from ring_worker.engine import Engine
-from ring_worker.group import free_loopback_ports
-from ring_worker.processes import rank_environment, spawn_rank, wait_all
+from ring_worker.engine.batch_decode import MEASURED_ROWS, BatchDecoder, DecodeRequest, warm_up
+from ring_worker.engine.engines import Engine
+from ring_worker.engine.group import free_loopback_ports
+from ring_worker.runtime.processes import rank_environment, spawn_rank, wait_all
 from tests.ring_worker.batch_rank import CHUNK_TOKENS, SCHEDULE, run_schedule
 from tests.ring_worker.equivalence_rank import prompt_tokens
 from tests.ring_worker.tiny import load_tiny
@@ -130,7 +130,7 @@ def test_bad_requests_are_refused(tiny_model_dir):
 @pytest.mark.parametrize("steps", ["eager", "compiled"])
 def test_ring_replicated_batch_matches_alone(tiny_model_dir, tmp_path, steps):
     """A real 2-process ring group (rotate prefill, replicated KV) runs the schedule; "compiled":
-    its steps of several rows through ring_worker/compiled_step.py, as on CUDA."""
+    its steps of several rows through ring_worker/engine/compiled_step.py, as on CUDA."""
     addresses = json.dumps([f"127.0.0.1:{p}" for p in free_loopback_ports(2)])
     procs = [
         spawn_rank(
@@ -176,7 +176,7 @@ def test_an_emptied_batch_lets_go_of_its_buffers(tiny_model_dir):
 
 
 def test_warm_up_leaves_the_engine_as_it_found_it(tiny_model_dir):
-    """The GPU warm-up's short batch (ring_worker/batch_decode.py `warm_up`) runs its rows to
+    """The GPU warm-up's short batch (ring_worker/engine/batch_decode.py `warm_up`) runs its rows to
     the end, and a sequence decoded after it is what it is alone: the warm-up shares no state
     with the batches after it. It returns the step time it measured at each of MEASURED_ROWS."""
     engine = Engine(model_at(tiny_model_dir))

@@ -1,6 +1,7 @@
 """In a group that decodes in batches, a job's prompt KV is copied into a batch row; the memory
 tier's copy of the same KV stays beside it only within the room its reservation leaves
-(ring_worker/batch_serve.py `keep_beside_batch`, ring_worker/memory_tier.py). Its disk copy is
+(ring_worker/runtime/batch_serve.py `keep_beside_batch`, ring_worker/engine/memory_tier.py). Its
+disk copy is
 kept either way. A real Redis, real files and a tiny float32 model."""
 
 import time
@@ -11,12 +12,12 @@ import pytest
 from jobs.lifecycle import JobState
 from jobs.schemas import JobKind, JobSpec, Placement
 from jobs.store import JobStore
-from ring_worker.batch_decode import BatchDecoder, DecodeRequest
-from ring_worker.batch_serve import keep_beside_batch, without_kv
-from ring_worker.engine import Engine
-from ring_worker.job_io import RedisJobIO
-from ring_worker.prefix_reuse import Reuse
-from ring_worker.rank_main import Prefilled
+from ring_worker.engine.batch_decode import BatchDecoder, DecodeRequest
+from ring_worker.engine.engines import Engine
+from ring_worker.runtime.batch_serve import keep_beside_batch, without_kv
+from ring_worker.runtime.job_io import RedisJobIO
+from ring_worker.runtime.job_run import Prefilled
+from ring_worker.runtime.prefix_reuse import Reuse
 from tests.ring_worker.prefix_rank import CHUNK_TOKENS, MAX_TOKENS
 from tests.ring_worker.test_prefix_reuse import DOC, forget, question, single_cache
 from tests.ring_worker.tiny import load_tiny, save_tiny

@@ -7,9 +7,9 @@ import pytest
 
 from jobs.model_catalog import resolve_model
 from jobs.tokenizer import load_tokenizer
-from ring_worker.batch_decode import BatchDecoder, DecodeRequest
-from ring_worker.engine import Engine
-from ring_worker.models import load_for_this_device
+from ring_worker.engine.batch_decode import BatchDecoder, DecodeRequest
+from ring_worker.engine.engines import Engine
+from ring_worker.engine.models import load_for_this_device
 
 DEMO = files("cli").joinpath("demo/document.md").read_text()
 QUESTIONS = [

@@ -6,13 +6,19 @@ import os
 import mlx.core as mx
 import pytest
 
-from ring_worker.cache_store import (
+from ring_worker.engine.kv_reshard import (
+    ShardKV,
+    build_cache,
+    cache_arrays,
+    clip_ranges,
+    even_split,
+)
+from ring_worker.runtime.cache_store import (
     CacheStore,
     default_budget_bytes,
     estimate_bytes,
     read_cache_file,
 )
-from ring_worker.kv_reshard import ShardKV, build_cache, cache_arrays, clip_ranges, even_split
 
 METADATA = {"entry": "e"}
 
@@ -184,7 +190,7 @@ def test_running_out_of_memory_while_loading_keeps_the_file(tmp_path, monkeypatc
     def oom(*args, **kwargs):  # what MLX's CUDA allocator raised on the H200
         raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
 
-    monkeypatch.setattr("ring_worker.cache_store.load_prompt_cache", oom)
+    monkeypatch.setattr("ring_worker.runtime.cache_store.load_prompt_cache", oom)
     with pytest.raises(RuntimeError, match="out of memory"):
         read_cache_file(path)
     assert path.is_file()

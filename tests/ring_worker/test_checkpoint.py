@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from ring_worker.checkpoint import (
+from ring_worker.engine.checkpoint import (
     Checkpointer,
     Resume,
     agree_on_resume,
@@ -23,9 +23,9 @@ from ring_worker.checkpoint import (
     snapshot,
     start_checkpoints,
 )
-from ring_worker.engine import Engine
-from ring_worker.group import free_loopback_ports
-from ring_worker.processes import rank_environment, spawn_rank, wait_all
+from ring_worker.engine.engines import Engine
+from ring_worker.engine.group import free_loopback_ports
+from ring_worker.runtime.processes import rank_environment, spawn_rank, wait_all
 from tests.helpers import wait_for
 from tests.ring_worker.checkpoint_rank import run
 from tests.ring_worker.tiny import load_tiny, save_tiny

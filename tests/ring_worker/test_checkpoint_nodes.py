@@ -6,14 +6,14 @@ from mlx_lm.models.cache import KVCache
 
 from jobs.schemas import JobKind, JobSpec
 from jobs.store import JobStore
-from ring_worker.checkpoint import (
+from ring_worker.engine.checkpoint import (
     Checkpointer,
     checkpoint_bytes,
     checkpoint_dir,
     end_checkpoints,
     start_checkpoints,
 )
-from ring_worker.checkpoint_sweep import sweep_checkpoints
+from ring_worker.runtime.checkpoint_sweep import sweep_checkpoints
 
 
 def filled_cache(tokens: int) -> list[KVCache]:

@@ -3,7 +3,7 @@
 from jobs.lifecycle import JobState
 from jobs.schemas import JobKind, JobSpec
 from jobs.store import JobStore
-from ring_worker.checkpoint_sweep import sweep_checkpoints
+from ring_worker.runtime.checkpoint_sweep import sweep_checkpoints
 
 
 def checkpoint_of(home, job_id: str) -> None:

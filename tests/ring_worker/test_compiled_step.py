@@ -1,4 +1,5 @@
-"""A decode batch's step compiled layer by layer (ring_worker/compiled_step.py), on the CPU with
+"""A decode batch's step compiled layer by layer (ring_worker/engine/compiled_step.py), on the CPU
+with
 the rows attention routed to `reference_attention` and the linears fused, as on CUDA: each
 sequence's logits stay within 1e-4 (float32) of it alone through plain mlx-lm over the fidelity
 schedule (joins at different steps and lengths, a leave, a short row joining a long one, buffers
@@ -7,11 +8,11 @@ growing), the buffers are written in place, and a trace serves many steps."""
 import mlx.core as mx
 import pytest
 
-from ring_worker.batch_decode import BatchDecoder
-from ring_worker.compiled_step import CompiledStep
-from ring_worker.engine import Engine
-from ring_worker.fused_linears import fuse_layers
-from ring_worker.rows_attention import (
+from ring_worker.engine.batch_decode import BatchDecoder
+from ring_worker.engine.compiled_step import CompiledStep
+from ring_worker.engine.engines import Engine
+from ring_worker.engine.fused_linears import fuse_layers
+from ring_worker.engine.rows_attention import (
     install_rows_attention,
     reference_attention,
     split_bucket,

@@ -4,7 +4,7 @@ import pytest
 
 from jobs.model_catalog import resolve_model
 from jobs.tokenizer import load_tokenizer
-from ring_worker.decode_text import cut_at_stop, partial_result, stop_check
+from ring_worker.engine.decode_text import cut_at_stop, partial_result, stop_check
 
 
 @pytest.fixture(scope="module")

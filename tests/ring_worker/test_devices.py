@@ -3,7 +3,7 @@ reports)."""
 
 import pytest
 
-from ring_worker.devices import (
+from ring_worker.engine.devices import (
     LocalNode,
     local_nodes,
     node_backend,

@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up (ring_worker/fused_linears.py). A decode batch over fused layers
+"""Fused q/k/v and gate/up (ring_worker/engine/fused_linears.py). A decode batch over fused layers
 matches each sequence alone through plain mlx-lm (logits within 1e-4, float32, CPU, over the
 fidelity schedule); the projections keep their weights, as views of the fused array (no second
 copy); what cannot share one matmul is left as it was."""
@@ -9,10 +9,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ring_worker import fused_linears
-from ring_worker.engine import Engine
-from ring_worker.fused_linears import FusedMLP, fuse, fuse_layers
-from ring_worker.rows_attention import install_rows_attention, reference_attention
+from ring_worker.engine import fused_linears
+from ring_worker.engine.engines import Engine
+from ring_worker.engine.fused_linears import FusedMLP, fuse, fuse_layers
+from ring_worker.engine.rows_attention import install_rows_attention, reference_attention
 from tests.ring_worker.batch_rank import run_schedule
 from tests.ring_worker.test_batch_decode import check_against_alone
 from tests.ring_worker.tiny import load_tiny

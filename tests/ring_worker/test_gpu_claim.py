@@ -1,4 +1,5 @@
-"""Two node agents on one GPU (ring_worker/node_agent.py::NodeAgent.claim_gpu), in a real Redis:
+"""Two node agents on one GPU (ring_worker/runtime/node_agent.py::NodeAgent.claim_gpu), in a real
+Redis:
 the second gets a clear error at registration, a heartbeat never takes a GPU another agent
 claimed after the first one's claim expired, and stopping frees only a claim that is still the
 agent's. An agent whose GPU cannot be read stops at registration too. The GPU is forced the way
@@ -10,8 +11,8 @@ import pytest
 from jobs import keys
 from jobs.errors import RingqError
 from jobs.settings import Settings
-from ring_worker.devices import cuda_memory_bytes
-from ring_worker.node_agent import NodeAgent
+from ring_worker.engine.devices import cuda_memory_bytes
+from ring_worker.runtime.node_agent import NodeAgent
 
 
 @pytest.fixture

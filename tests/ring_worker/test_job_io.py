@@ -1,4 +1,4 @@
-"""What the prefix bridge (ring_worker/job_prefix.py) asks a rank's JobIO for: the job's
+"""What the prefix bridge (ring_worker/runtime/job_prefix.py) asks a rank's JobIO for: the job's
 placement and the Redis where prefixes are kept, from the service's RedisJobIO (a real Redis),
 and nothing from `ringq run`'s FileJobIO, whose ranks then keep no prefixes."""
 
@@ -10,8 +10,8 @@ import redis
 from jobs.lifecycle import JobState
 from jobs.schemas import JobKind, JobSpec, Placement
 from jobs.store import JobStore
-from ring_worker.job_io import FileJobIO, JobIO, RedisJobIO
-from ring_worker.job_prefix import memory_room
+from ring_worker.runtime.job_io import FileJobIO, JobIO, RedisJobIO
+from ring_worker.runtime.job_prefix import memory_room
 
 SPEC = JobSpec(kind=JobKind.GENERATE, document="d", prompt="q", model="m")
 

@@ -1,13 +1,14 @@
-"""The lead rank's progress reports (ring_worker/job_report.py): rates from the phase's start."""
+"""The lead rank's progress reports (ring_worker/runtime/job_report.py): rates from the phase's
+start."""
 
 import math
 import time
 from typing import Any, cast
 
 from jobs.schemas import Progress
-from ring_worker.batch_serve import pace
-from ring_worker.job_io import JobIO
-from ring_worker.job_report import ReportClock, throttled
+from ring_worker.runtime.batch_serve import pace
+from ring_worker.runtime.job_io import JobIO
+from ring_worker.runtime.job_report import ReportClock, throttled
 
 
 class Recorded:
@@ -40,7 +41,9 @@ def test_only_the_lead_rank_reports():
 
 def test_a_clock_paces_the_reports_between_a_phases_first_and_last():
     io = Recorded()
-    clock = ReportClock(interval_s=3600.0)  # a batch member's, paced (ring_worker/batch_serve.py)
+    clock = ReportClock(
+        interval_s=3600.0
+    )  # a batch member's, paced (ring_worker/runtime/batch_serve.py)
     report = throttled(cast(JobIO, cast(Any, io)), lead=True, clock=clock)
     for done in range(1, 11):
         report("decode", done, 10)

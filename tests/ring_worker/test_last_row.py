@@ -11,12 +11,12 @@ import pytest
 from admission.estimate import batch_buffer_tokens
 from jobs.prefix_cache import BLOCK_TOKENS
 from jobs.prefix_index import PrefixIndex
-from ring_worker.batch_cache import BatchCache
-from ring_worker.batch_decode import BatchDecoder, DecodeRequest
-from ring_worker.batch_serve import last_row_memory
-from ring_worker.cache_store import node_store
-from ring_worker.engine import Engine
-from ring_worker.prefix_reuse import InMemory, RankPrefixCache, view_of
+from ring_worker.engine.batch_cache import BatchCache
+from ring_worker.engine.batch_decode import BatchDecoder, DecodeRequest
+from ring_worker.engine.engines import Engine
+from ring_worker.runtime.batch_serve import last_row_memory
+from ring_worker.runtime.cache_store import node_store
+from ring_worker.runtime.prefix_reuse import InMemory, RankPrefixCache, view_of
 from tests.ring_worker.test_row_prefix import (
     CHUNK_TOKENS,
     DOC,
@@ -101,7 +101,7 @@ def test_no_prompt_longer_than_the_first_row_is_kept(tiny_model_dir, first_row):
 
 def test_a_share_under_a_block_is_not_taken(tiny_model_dir, redis_conn, tmp_path):
     """A chat template's head in common saves nothing, and a prefill that continues a reused
-    prefix takes no checkpoints (ring_worker/rank_main.py `checkpointed_prefill`)."""
+    prefix takes no checkpoints (ring_worker/runtime/job_run.py `checkpointed_prefill`)."""
     engine = Engine(load_tiny(tiny_model_dir))
     prompt = DOC + tokens(12, 4)
     decoder, kept = emptied_into(engine, {"doc": prompt}, first_row=1024)

@@ -1,4 +1,5 @@
-"""The memory tier counts against the group's reservation (ring_worker/memory_tier.py): a warm
+"""The memory tier counts against the group's reservation (ring_worker/engine/memory_tier.py): a
+warm
 rank's in-memory prompt KV stays beside the next job only if it fits in the room the reservation
 leaves; else it leaves memory and the prefix is read from its disk copy. A real Redis index, real
 files and a tiny float32 model; answers equal recomputing."""
@@ -10,11 +11,11 @@ import pytest
 from jobs.lifecycle import JobState
 from jobs.schemas import JobKind, JobSpec, Placement
 from jobs.store import JobStore
-from ring_worker.engine import Engine
-from ring_worker.job_io import RedisJobIO
-from ring_worker.job_prefix import memory_room
-from ring_worker.memory_tier import memory_room_bytes, merge_adjacent
-from ring_worker.prefix_reuse import RankPrefixCache
+from ring_worker.engine.engines import Engine
+from ring_worker.engine.memory_tier import memory_room_bytes, merge_adjacent
+from ring_worker.runtime.job_io import RedisJobIO
+from ring_worker.runtime.job_prefix import memory_room
+from ring_worker.runtime.prefix_reuse import RankPrefixCache
 from tests.ring_worker.prefix_rank import CHUNK_TOKENS, MAX_TOKENS
 from tests.ring_worker.test_prefix_reuse import (
     DOC,

@@ -16,7 +16,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from jobs.model_catalog import ModelSource, read_model_shape, resolve_model
 from jobs.tokenizer import load_tokenizer
-from ring_worker.models import load_model, make_tiny_model_dir
+from ring_worker.engine.models import load_model, make_tiny_model_dir
 
 TINY = {"layers": 2, "hidden": 64, "q_heads": 4, "kv_heads": 2, "head_dim": 16}
 # Limits measured on PROMPT_IDS (see the tests), with a stated margin.

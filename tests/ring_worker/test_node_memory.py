@@ -1,11 +1,12 @@
-"""The memory a node agent registers (ring_worker/node_agent.py::node_memory_bytes, pure): its
+"""The memory a node agent registers (ring_worker/runtime/node_agent.py::node_memory_bytes, pure):
+its
 GPU's on CUDA nodes, host memory elsewhere, and a clear error naming the GPU where a CUDA node's
 GPU cannot be read, instead of host memory reported as the GPU's."""
 
 import pytest
 
 from jobs.errors import RingqError
-from ring_worker.node_agent import node_memory_bytes
+from ring_worker.runtime.node_agent import node_memory_bytes
 
 GIB = 1024**3
 HOST = (50 * GIB, 64 * GIB)

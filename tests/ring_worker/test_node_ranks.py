@@ -1,4 +1,4 @@
-"""The ranks a node agent records (ring_worker/node_ranks.py), against a real Redis and real
+"""The ranks a node agent records (ring_worker/runtime/node_ranks.py), against a real Redis and real
 processes: the node's next agent reports its predecessor's ranks lost, only those and once, and
 kills one that still runs, never a process that merely has its pid. The kill -9 of a real agent
 is in test_agent_death.py."""
@@ -15,7 +15,7 @@ from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, JobKind, JobSpec, NodeRank, Placement, Progress
 from jobs.settings import Settings
 from jobs.store import JobStore
-from ring_worker.node_ranks import (
+from ring_worker.runtime.node_ranks import (
     kill_leftover,
     lose_predecessor_ranks,
     process_started_at,

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from ring_worker.group import free_loopback_ports
-from ring_worker.processes import rank_environment, spawn_rank, wait_all
+from ring_worker.engine.group import free_loopback_ports
+from ring_worker.runtime.processes import rank_environment, spawn_rank, wait_all
 from tests.ring_worker.tiny import save_tiny
 
 

@@ -1,11 +1,12 @@
-"""Paced prefill (ring_worker/pacing.py) computes exactly what the unpaced graph does. It runs on
+"""Paced prefill (ring_worker/engine/pacing.py) computes exactly what the unpaced graph does. It
+runs on
 GPUs only; here it is forced on the CPU, where the arithmetic is the same float32."""
 
 import mlx.core as mx
 import pytest
 
-from ring_worker.engine import Engine
-from ring_worker.pacing import PacedLayer, paced_layers
+from ring_worker.engine.engines import Engine
+from ring_worker.engine.pacing import PacedLayer, paced_layers
 from tests.ring_worker.equivalence_rank import prompt_tokens
 from tests.ring_worker.tiny import load_tiny, save_tiny
 

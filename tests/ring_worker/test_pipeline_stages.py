@@ -5,8 +5,8 @@ import pytest
 
 from admission.partition import split_layers
 from jobs.model_catalog import resolve_model
-from ring_worker.models import load_model
-from ring_worker.pipeline import keep_stage
+from ring_worker.engine.models import load_model
+from ring_worker.engine.pipeline import keep_stage
 
 
 @pytest.mark.parametrize(

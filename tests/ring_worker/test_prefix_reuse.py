@@ -14,11 +14,11 @@ import pytest
 
 from jobs.prefix_cache import BLOCK_TOKENS
 from jobs.prefix_index import PrefixIndex
-from ring_worker.cache_store import node_store
-from ring_worker.engine import Engine
-from ring_worker.group import free_loopback_ports
-from ring_worker.prefix_reuse import RankPrefixCache, view_of
-from ring_worker.processes import rank_environment, spawn_rank, wait_all
+from ring_worker.engine.engines import Engine
+from ring_worker.engine.group import free_loopback_ports
+from ring_worker.runtime.cache_store import node_store
+from ring_worker.runtime.prefix_reuse import RankPrefixCache, view_of
+from ring_worker.runtime.processes import rank_environment, spawn_rank, wait_all
 from tests.ring_worker.prefix_rank import CHUNK_TOKENS, MAX_TOKENS
 from tests.ring_worker.tiny import load_tiny, save_tiny
 

@@ -8,7 +8,7 @@ import pytest
 
 from jobs.prompts import tokenize_and_check
 from jobs.schemas import JobSpec
-from ring_worker.local_group import run_local
+from ring_worker.runtime.local_group import run_local
 
 DEMO = files("cli").joinpath("demo/document.md").read_text()
 # Two sections of the bundled demo document (~800 tokens): the 1755 fire is in the second.

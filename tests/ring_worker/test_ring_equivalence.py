@@ -13,9 +13,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from ring_worker.group import free_loopback_ports
-from ring_worker.pipeline import split_layers
-from ring_worker.processes import rank_environment, spawn_rank, wait_all
+from ring_worker.engine.group import free_loopback_ports
+from ring_worker.engine.pipeline import split_layers
+from ring_worker.runtime.processes import rank_environment, spawn_rank, wait_all
 from tests.ring_worker.equivalence_rank import DECODE_TOKENS, prompt_tokens
 from tests.ring_worker.tiny import load_tiny, save_tiny
 
@@ -132,7 +132,8 @@ def llama_dir(tmp_path_factory):
 def test_a_ring_paced_layer_by_layer_matches_single_device(
     llama_dir, exchange, kv_layout, tmp_path
 ):
-    """GPU ranks pace prefill (ring_worker/pacing.py): its collectives and sends, layer by layer
+    """GPU ranks pace prefill (ring_worker/engine/pacing.py): its collectives and sends, layer by
+    layer
     with a layer queued ahead, must neither hang nor change a logit. Forced here on CPU."""
     run_group(llama_dir, 2, "ring", exchange, kv_layout, tmp_path, paced=True)
     check_against_reference(llama_dir, "ring", 2, kv_layout, tmp_path)

@@ -11,11 +11,11 @@ import mlx.core as mx
 import pytest
 
 from jobs.prefix_index import PrefixIndex
-from ring_worker.batch_decode import BatchDecoder, DecodeRequest
-from ring_worker.batch_serve import member_row_prefix
-from ring_worker.cache_store import node_store
-from ring_worker.engine import Engine
-from ring_worker.prefix_reuse import RankPrefixCache, view_of
+from ring_worker.engine.batch_decode import BatchDecoder, DecodeRequest
+from ring_worker.engine.engines import Engine
+from ring_worker.runtime.batch_serve import member_row_prefix
+from ring_worker.runtime.cache_store import node_store
+from ring_worker.runtime.prefix_reuse import RankPrefixCache, view_of
 from tests.ring_worker.tiny import load_tiny
 
 CHUNK_TOKENS = 96

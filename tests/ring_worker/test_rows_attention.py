@@ -1,16 +1,16 @@
-"""Mixed-length decode attention (ring_worker/rows_attention.py).
+"""Mixed-length decode attention (ring_worker/engine/rows_attention.py).
 
 On the CPU the wrapper runs with `reference_attention` (MLX ops) in place of the CUDA kernels:
 that checks everything around them (Q/K/V, RoPE at per-row offsets, the K/V each row stores, the
 output projection) against plain mlx-lm, one sequence alone, over the fidelity schedule. The
 kernels themselves are compared with the masked reference where CUDA runs (skipped elsewhere;
-bench/rows_attention_probe.py does the same on the device and records it)."""
+bench/probes/rows_attention.py does the same on the device and records it)."""
 
 import mlx.core as mx
 import pytest
 
-from ring_worker.engine import Engine
-from ring_worker.rows_attention import (
+from ring_worker.engine.engines import Engine
+from ring_worker.engine.rows_attention import (
     RowsAttention,
     install_rows_attention,
     kernel_attention,

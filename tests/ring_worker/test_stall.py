@@ -1,4 +1,5 @@
-"""A stalled rank seen by its node agent (ring_worker/stall.py): first the rule on job records in
+"""A stalled rank seen by its node agent (ring_worker/runtime/stall.py): first the rule on job
+records in
 a real Redis with a hand-driven clock, then a real single-rank group whose rank is SIGSTOPped
 mid-prefill (its own watchdog stops with it, and it has no peer): the agent's monitor pass
 reports the group lost, the job is queued for a retry, and the rank is killed."""
@@ -16,9 +17,9 @@ from jobs.schemas import GroupSpec, JobKind, JobRecord, JobSpec, Placement, Prog
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import admit_queue
-from ring_worker.node_agent import NodeAgent
-from ring_worker.stall import WATCHDOG_GRACE_S, StallWatch
-from ring_worker.watchdog import loading_timeout_s
+from ring_worker.runtime.node_agent import NodeAgent
+from ring_worker.runtime.stall import WATCHDOG_GRACE_S, StallWatch
+from ring_worker.runtime.watchdog import loading_timeout_s
 from tests.helpers import in_prefill, wait_for
 
 STALL_TIMEOUT_S = 2.0

@@ -1,4 +1,5 @@
-"""Text published while a sequence decodes (ring_worker/text_stream.py), with real tokenizers:
+"""Text published while a sequence decodes (ring_worker/runtime/text_stream.py), with real
+tokenizers:
 the byte-level one of the random models (a token per byte, so multi-byte characters arrive in
 pieces) and SmolLM2's BPE."""
 
@@ -11,9 +12,9 @@ import pytest
 from jobs.model_catalog import resolve_model
 from jobs.schemas import JobKind, JobSpec
 from jobs.tokenizer import load_tokenizer
-from ring_worker.decode_text import cut_at_stop
-from ring_worker.job_io import FileJobIO
-from ring_worker.text_stream import DecodeText, TextStream, held_back
+from ring_worker.engine.decode_text import cut_at_stop
+from ring_worker.runtime.job_io import FileJobIO
+from ring_worker.runtime.text_stream import DecodeText, TextStream, held_back
 
 MULTI_BYTE = "héllo wörld — €5 💡 done\nnext line ✓ ok"
 
@@ -161,7 +162,8 @@ def test_decode_text_publishes_the_last_token_it_was_not_asked_about(bytes_token
 
 def test_a_paced_stream_publishes_that_many_times_less_often(bytes_tokenizer):
     """A member of a decode batch streams at sqrt(rows) times the single-job cadence
-    (ring_worker/batch_serve.py `pace`): FLUSH_TOKENS x 4 here, and the same text in the end."""
+    (ring_worker/runtime/batch_serve.py `pace`): FLUSH_TOKENS x 4 here, and the same text in the
+    end."""
     deltas: list[str] = []
     stream = TextStream(bytes_tokenizer, (), deltas.append)
     stream.pace(4)

@@ -17,7 +17,7 @@ from jobs.redis_server import connect
 from jobs.schemas import JobKind, JobSpec
 from jobs.store import JobStore
 from jobs.submit import submit_job
-from ring_worker.watchdog import STALL_EXIT_CODE, Watchdog
+from ring_worker.runtime.watchdog import STALL_EXIT_CODE, Watchdog
 from tests.helpers import (
     LONG_DOCUMENT,
     final_record,
@@ -122,4 +122,4 @@ def test_a_stopped_peer_is_found_by_the_stall_watchdog_and_the_job_retried(
     assert stall and STALL_TIMEOUT_S <= int(stall[1]) <= 2 * STALL_TIMEOUT_S, reason
     log = (stall_cluster.settings.home / "logs" / f"{group_id}-rank0.log").read_text()
     assert "every thread's stack follows" in log and "most recent call first" in log
-    assert "ring_worker/engine.py" in log  # the main thread's stack: where it was stuck
+    assert "ring_worker/engine/engines.py" in log  # the main thread's stack: where it was stuck

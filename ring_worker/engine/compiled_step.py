@@ -1,0 +1,99 @@
+"""A decode batch's forward pass through compiled MLX functions (`mx.compile`), for steps of two
+or more rows where ringq's rows attention runs (CUDA; the tests route it to `reference_attention`).
+
+Why: on an H200 a step of 2-8 rows of the 8B shape is host-bound. Building its graph in Python
+took 3.3-4.4 ms of a 10-14 ms step (bench.probes.step_cost,
+h200-service/step-cost-aligned-2b25f71.json). A compiled function builds its part of the step by
+replaying a traced graph in C++, and fuses its elementwise operations. Measured on an H200 (8B,
+bf16, ~4K-token rows, one process, medians of 3 alternating rounds; bench.probes.compiled_step):
+9.2 against 11.1 ms a step at 2 rows, 10.6 against 12.9 at 8, 13.2 against 13.3 at 24 (in 32
+slots).
+
+Each layer runs as two compiled calls around the K/V store, which stays an eager slice update at
+a Python-int column. Inside a compiled function, or as a dynamic slice update (a column given as
+an array), MLX's CUDA backend copied the whole buffer instead of writing in place:
+bench.probes.store on an H200 took 0.6 ms a step for 16 buffers of 32 rows x 4.6K columns written
+eagerly, and 12.1 ms dynamically or compiled (h200-service/store-probe-rows-32-8b7d522.json). A
+step compiled whole (one function of every buffer) was thus 1.7x the eager step at 8 rows and
+4.6x at 24.
+- Every slot of the buffers steps, not only the rows in use (a free slot attends to the one
+  column it writes, and its logits are dropped). Slots double as rows join and stay until
+  half or more stand free (then the buffers halve), so most joins and leaves do not retrace;
+  MLX keeps a trace per shape, so a slot count seen before at the same capacity is not traced
+  again.
+- RoPE offsets, first columns and visible counts are inputs; the attention kernels' split count
+  is fixed per trace (`split_bucket(longest)` gives the split count the true longest row would).
+Each layer is traced again when the slots double, when the buffers grow (every CACHE_STEP_TOKENS
+columns, or at a join that relays them out) and when the split count changes.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ring_worker.engine.batch_cache import BatchCache
+from ring_worker.engine.fused_linears import mlx_lm_attention
+from ring_worker.engine.ring_attention import project_qkv
+from ring_worker.engine.rows_attention import RowsAttention, split_bucket
+
+
+class CompiledStep:
+    """Steps a BatchCache's every slot through `model` by one token, layer by layer compiled."""
+
+    def __init__(self, model: nn.Module):
+        if not all(isinstance(layer.self_attn, RowsAttention) for layer in model.layers):
+            raise ValueError("a compiled step needs rows attention on every layer")
+        self.model = model
+        self.traces = 0  # how often a layer's two parts were traced (their Python runs only then)
+        self._before = mx.compile(self._before_store)
+        self._after = mx.compile(self._after_store)
+        self._head = mx.compile(self._logits)
+
+    def __call__(self, cache: BatchCache, tokens: mx.array) -> mx.array:
+        """Float32 logits (rows, vocab) of the rows' next tokens; every layer's K/V stored."""
+        rows = cache.rows
+        keys = cache.layers[0].keys
+        assert keys is not None
+        free = keys.shape[0] - len(rows)
+        lengths, column = rows.lengths + [0] * free, rows.end
+        offsets = mx.array(lengths)
+        starts = mx.array([column - n for n in lengths], dtype=mx.int32)
+        visible = mx.array([n + 1 for n in lengths], dtype=mx.int32)
+        longest = split_bucket(rows.longest + 1)
+        inputs = mx.concatenate([tokens, mx.zeros((free,), tokens.dtype)])[:, None]
+        h = self.model.model.embed_tokens(inputs)
+        for index, layer in enumerate(cache.layers):
+            q, k, v = self._before(h, offsets, index)
+            layer.store(k, v)  # eager: in place (see above)
+            assert layer.keys is not None and layer.values is not None
+            h = self._after(h, q, layer.keys, layer.values, starts, visible, index, longest)
+        return self._head(h)[: len(rows)]
+
+    def _before_store(
+        self, x: mx.array, offsets: mx.array, index: int
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        self.traces += 1
+        layer = self.model.layers[index]
+        q, k, v = project_qkv(mlx_lm_attention(layer.self_attn), layer.input_layernorm(x), offsets)
+        return q, k, v
+
+    def _after_store(
+        self, x: mx.array, q: mx.array, keys: mx.array, values: mx.array, starts: mx.array,
+        visible: mx.array, index: int, longest: int,
+    ) -> mx.array:  # fmt: skip
+        """The layer from its attention on (as RowsAttention and mlx-lm's block run it)."""
+        self.traces += 1
+        layer = self.model.layers[index]
+        attn = mlx_lm_attention(layer.self_attn)
+        out = layer.self_attn._attend(q, keys, values, starts, visible, longest, attn.scale)
+        out = out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1)
+        h = x + attn.o_proj(out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _logits(self, h: mx.array) -> mx.array:
+        model = self.model
+        out = model.model.norm(h)
+        if model.args.tie_word_embeddings:
+            out = model.model.embed_tokens.as_linear(out)
+        else:
+            out = model.lm_head(out)
+        return out[:, -1].astype(mx.float32)
