@@ -7,10 +7,10 @@ rank's MLX peak is the larger of two phases, times a small margin:
 - prefill: its weights + its KV + the live tensors of one layer of one chunk.
 Process overhead (interpreter, MLX runtime) comes on top. The constants were fitted against
 `mx.get_peak_memory()` per rank over a grid of models, lengths and layouts on CPU
-(bench/calibrate_admission.py; the table is in bench/results/admission-calibration.md).
+(bench/calibrate_admission.py; the table is in docs/performance.md).
 On GPUs (fused attention, weights kept as stored, the model's dtype) the CPU terms drop out and
 measured GPU transients come in instead (`gpu_transient_bytes`), fitted on one H200 for single
-ranks (bench/results/h200-service/README.md); ring and pipeline GPU cells need two GPUs.
+ranks (docs/performance.md); ring and pipeline GPU cells need two GPUs.
 """
 
 from dataclasses import dataclass

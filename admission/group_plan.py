@@ -81,7 +81,7 @@ def plan_group(
 def shares_a_gpu(nodes: Sequence[NodeFacts]) -> bool:
     """A group with GPU ranks that do not each have a GPU of their own. Such a group computes
     on CPU: NCCL refuses two ranks on one GPU, and MLX's ring backend with both ranks' arrays on
-    one H200 hung while loading (ringq demo, ring-2 of a 1B model, 300 s, 2026-12-01)."""
+    one H200 hung while loading (ringq demo, ring-2 of a 1B model, 300 s)."""
     return len(nodes) > 1 and any(n.device == "cuda" for n in nodes) and not own_gpus(nodes)
 
 

@@ -73,7 +73,7 @@ def submit(kind, files, as_json, ranks, strategy, job_id, prompts, **options):
         records = enqueue_jobs(ringq.conn, jobs, settings=ringq.settings)
     if not as_json:
         click.echo("\n".join(record.id for record in records))
-    elif len(specs) == 1 and paths == list(files):  # one plain FILE: one object, as before
+    elif len(specs) == 1 and paths == list(files):  # one plain FILE: one object
         echo_json(status_json(records[0]))
     else:
         echo_json([status_json(record) for record in records])

@@ -24,7 +24,7 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
   keeps it and the dispatcher passes it as `Cluster.head`). To a later job the hold is a group of
   its own there (jobs/head_hold.py): its bytes and a group slot, so a GPU the head waits for runs
   nothing else, and a held CPU node takes a later job only in the bytes beyond the head's need.
-  Other nodes, and idle warm groups off the held nodes, serve later jobs as before. A later job
+  Other nodes, and idle warm groups off the held nodes, serve later jobs as usual. A later job
   joins a running group only where the head keeps its bytes and a slot beside it (never on a GPU it
   waits for: the join would keep that group running). The head and older jobs plan as if no hold
   were there, so a head is never blocked by its own hold, and it waits only for the groups that were

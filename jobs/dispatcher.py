@@ -74,7 +74,7 @@ def serve(conn: redis.Redis, settings: Settings) -> None:
 
 def import_tokenizers() -> None:
     """Import what tokenising needs before the first job: it took 5 s of the first job's
-    admission on an H200 machine (bench/results/h200-service). Not in a thread: transformers'
+    admission on an H200 machine. Not in a thread: transformers'
     lazy imports fail when two threads import it at once."""
     import transformers.tokenization_utils_fast  # noqa: F401
 

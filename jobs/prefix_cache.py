@@ -1,4 +1,4 @@
-"""Automatic prefix reuse (issue 15): which kept KV prefix a job's prompt can start from.
+"""Automatic prefix reuse: which kept KV prefix a job's prompt can start from.
 
 Design
 ------
@@ -84,12 +84,11 @@ BLOCK_TOKENS = 256
 KEEP_MIN_NEW_FRACTION = 0.25
 WAIT_MIN_FRACTION = 0.5  # of a prompt an in-flight prefill must stand for, for a job to wait
 PENDING_TTL_S = 3600.0  # an in-flight marker's safety expiry (one of an ended job is ignored)
-# Reading a kept file back: 16 GiB in 6-9 s on the H200 (bench/results/h200-service, the 128K
-# prefix run's logs), page cache aside; CPU nodes read as fast and prefill far slower.
+# Reading a kept file back: 16 GiB in 6-9 s on an H200 (the 128K prefix cell of
+# docs/prefix-reuse.md), page cache aside; CPU nodes read as fast and prefill far slower.
 READ_BYTES_PER_S = 2e9
-# Writing one, on the group's compute path after its job: 17.2 GB in 18.0 s on the lent H100's
-# host (a 128K prompt of the 8B shape; bench/results/h200-service/README.md, "ringq up on an
-# H100"); the same file held its group for 29 s on the H200 (bench/results/prefix-reuse.md).
+# Writing one, on the group's compute path after its job: 17.2 GB in 18.0 s on an H100 host
+# (a 128K prompt of the 8B shape); the same file held its group for 29 s on an H200.
 WRITE_BYTES_PER_S = 1e9
 PENDING_GRACE_S = 60.0  # a finished job's marks still count this long (its KV is being kept)
 

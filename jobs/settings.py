@@ -120,7 +120,7 @@ class Settings(BaseSettings):
         description="Each rank saves the prefill KV added since its last checkpoint every this "
         "many prompt tokens (at a chunk boundary; GPU chunks are larger, so there every chunk) "
         "under RINGQ_HOME/checkpoints, so a retried job continues from there; 0: off. The "
-        "prefill never waits for the disk (bench/results/README.md, 'Checkpoint cost').",
+        "prefill never waits for the disk (docs/checkpoints.md).",
     )
     checkpoint_budget_bytes: int = Field(
         default=16 * 1024**3,
@@ -178,7 +178,7 @@ class Settings(BaseSettings):
     )
 
 
-# CPU: bench/results/batch-decode.md (8 rows: 2.4x one at a time, a 2-core CPU); CUDA: 32 rows
+# CPU: 8 rows decode 2.4x one at a time on a 2-core CPU (docs/batching.md); CUDA: 32 rows
 # of the 8B shape on one H200 ran 584 tok/s (mlx-lm's BatchGenerator 3.5x one sequence at 64 and
 # 2.9x at 32: most of the gain by 32, while a batch's KV and per-job latency grow with it).
 DEFAULT_MAX_BATCH = {"cpu": 8, "metal": 8, "cuda": 32}

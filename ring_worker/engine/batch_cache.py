@@ -4,15 +4,13 @@ Rows are aligned at their ends: every row writes its next K/V at one common colu
 and row b holds its positions in [end - length_b, end). So a step stores every row's K/V with one
 slice update, as for rows of one length, while RoPE takes per-row offsets (each row's length).
 Attention reads columns [end - longest, end + 1), with a boolean mask hiding the columns before
-each row's own (on CUDA, ring_worker/engine/rows_attention.py reads each row's own columns instead,
-no
-mask). Before, each row started at column 0 and wrote at its own length: a slice update per row,
-or one scatter above 6 rows. On an H200 (8B shape, ~4K-token rows) a layer's scatter of K and V
+each row's own (on CUDA, ring_worker/engine/rows_attention.py reads each row's own columns
+instead, no mask). Rows written each at its own length would need a slice update per row, or one
+scatter above 6 rows: on an H200 (8B shape, ~4K-token rows) a layer's scatter of K and V
 took 113 us of host time and one slice update of each 14.5 us (bench.probes.step_cost `ops`);
 in one process, a step of 8 rows of different lengths took 12.9 ms with those stores and 9.3 ms
-with every row written at one column (`--linears fused,fused+store`, pipelined medians of 2 on a
-noisy host: h200-service/step-cost-ablations-2c5d8f1.json). Aligned, 8 rows of different
-lengths stepped in 12.1 ms against 13.7 for 8 of one length (step-cost-aligned-2b25f71.json).
+with every row written at one column (`--linears fused,fused+store`, pipelined medians of 2).
+Aligned, 8 rows of different lengths stepped in 12.1 ms against 13.7 for 8 of one length.
 
 A sequence joins by copying its K/V into a free row, ending at `end`. A joiner longer than `end`
 first moves every row right (one copy of the columns they hold); so does a join the buffer

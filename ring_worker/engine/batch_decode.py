@@ -1,13 +1,12 @@
 """Continuous batching: several prefilled sequences decode together, one forward pass per step.
 
 Design (after reading mlx-lm 0.32's BatchGenerator / BatchKVCache and this engine):
-- Prefill stays per sequence (`Engine.prefill`, ring or single, as today): mlx-lm's batched
-  prefill measured ~3x slower than prefilling one after another on an H200 (issue 14).
+- Prefill stays per sequence (`Engine.prefill`, ring or single): mlx-lm's batched prefill
+  measured ~3x slower than prefilling one after another on an H200.
 - A prefilled sequence joins the batch at the next step: its K/V is copied into one row of a
-  `BatchCache` (ring_worker/engine/batch_cache.py; rows are aligned at their ends, so one slice
-  update
-  stores a step's K/V for all; only a joiner longer than every row moves the others, once), and
-  its first token is sampled from its prefill logits.
+  `BatchCache` (ring_worker/engine/batch_cache.py; rows are aligned at their ends, so one
+  slice update stores a step's K/V for all; only a joiner longer than every row moves the
+  others, once), and its first token is sampled from its prefill logits.
 - One step = one forward pass of plain mlx-lm modules over all rows ((rows, 1) tokens), per-row
   sampling (its own temperature and PRNG key), and one vote: the sampling rank's tokens and every
   rank's per-row stop flags, summed over ranks in one collective (`Engine._vote`, batched).
@@ -17,8 +16,8 @@ Design (after reading mlx-lm 0.32's BatchGenerator / BatchKVCache and this engin
   sequence gets `cancelled`). Its row is freed at once (the last row moves into it). Where
   half the slots or more stand free, the buffers shrink to the fewest slots (halving) that hold
   the rows, above the slots reserved up front: a compiled step runs every slot, and on an H100
-  (8B, ~4K-token rows) 2 rows stepped in 8.2 ms in 2 slots and 12.4 in 32 (bench.probes.slots,
-  h200-service/slots-probe-h100-1448e4b.json). When the last row leaves they are dropped.
+  (8B, ~4K-token rows) 2 rows stepped in 8.2 ms in 2 slots and 12.4 in 32 (bench.probes.slots).
+  When the last row leaves they are dropped.
 - Rows of different lengths attend through a boolean mask on the CPU and Metal; on CUDA, where
   MLX's fused SDPA takes no mask, through ring_worker/engine/rows_attention.py's kernels instead.
 - Every rank must add the same sequences in the same order; rows then stay identical on every
@@ -38,7 +37,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from ring_worker.engine.batch_cache import BatchCache, grown_slots
+from ring_worker.engine.batch_cache import BatchCache
 from ring_worker.engine.compiled_step import CompiledStep
 from ring_worker.engine.engines import Engine, PrefillResult, ProgressFn, RingEngine, StopFn
 from ring_worker.engine.fused_linears import fuse_layers
@@ -160,17 +159,6 @@ class BatchDecoder:
     @property
     def members(self) -> list[str]:
         return [s.request.key for s in self._rows]
-
-    def width(self, rows: int) -> int:
-        """What a step of `rows` rows in this batch costs by, which the join budget keys its
-        times by: where steps run compiled (two rows or more), the buffers' slots, since every
-        slot steps (rows join one by one, and the buffers double when full; they halve only as
-        rows leave); else the rows. bench.probes.slots on an H100 (8B, ~4K-token
-        rows): 2 rows stepped in 8.2 ms in 2 slots and 12.4 in 32, 8 rows 10.4 and 12.8; one row
-        (eager) 5.5 in either (h200-service/slots-probe-h100-1448e4b.json)."""
-        if self._compiled_for(rows) is None:
-            return rows
-        return grown_slots(self.cache.slots or self._slots, rows)
 
     def _compiled_for(self, rows: int) -> CompiledStep | None:
         """The compiled step a step of `rows` rows runs: two rows or more, where steps compile;

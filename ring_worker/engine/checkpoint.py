@@ -163,7 +163,7 @@ def snapshot(cache: list[Any], from_offset: int = 0) -> list[KVCache]:
     prefill goes on: new arrays, never views of the cache's own buffers. A slice is a view: held
     until written, it kept each layer's whole buffer alive (when the cache grew, the old one
     too), so a 128K-token prefill of the 8B shape on one H200 peaked 14 GiB higher with
-    checkpoints on (bench/results/h200-service/README.md)."""
+    checkpoints on (docs/checkpoints.md)."""
     copies = []
     for layer in cache:
         if type(layer) is not KVCache:
@@ -364,7 +364,7 @@ def end_checkpoints(saver: Checkpointer | None, keep: bool) -> None:
     (the prefill failed and a retry may continue from them). A finished prefill waits only for
     the segment being written: on an H100 a 128K prompt's writer still held a queued 2-4 GB
     segment as the prefill ended, and the job's end waited 9 s for a file it then deleted
-    (bench/results/h200-service/README.md, "ringq up on an H100")."""
+    (docs/checkpoints.md)."""
     if saver is None:
         return
     saver.close(drop_queued=not keep)

@@ -6,7 +6,7 @@ against 9 us for its gemv at one row. A decode step's matmuls are small, so that
 most of a step, and it is why a second row costs so much more than the first. Fusing takes an
 8B Llama step from 225 matmuls to 129. On an H200, side by side in one process, fused steps took
 0.75-0.98x as long at 2-8 rows and 1.02-1.05x at 32, where the device is the bound
-(bench.probes.step_cost; bench/results/h200-service/step-cost-fused.json).
+(bench.probes.step_cost).
 
 The fused weight is one array, and each projection's weight becomes a row slice of it (a view,
 no copy): the parameters' values and the memory they take stay as they were (names gain an
@@ -53,7 +53,7 @@ def runs_fused(x: mx.array) -> bool:
     """Fused calls serve decode steps of 2 or more rows (one token each): cuBLASLt's host cost is
     most of such a matmul. One row runs the projections apart, on MLX's gemv (9 us of host time a
     call): fused, an H200's one-row step took 1.02-1.09x as long, the extra Python of the cuts
-    outweighing the calls saved (bench/results/batch-decode.md, 2026-12-03)."""
+    outweighing the calls saved (docs/batching.md)."""
     return x.shape[1] == 1 and x.shape[0] > 1
 
 

@@ -1,4 +1,4 @@
-"""The memory tier of prefix reuse counts against its group's reservation (issue 15).
+"""The memory tier of prefix reuse counts against its group's reservation.
 
 A warm group's rank keeps the previous job's prompt KV in memory (`InMemory`,
 ring_worker/runtime/prefix_reuse.py), so the next job on the same document starts without reading a

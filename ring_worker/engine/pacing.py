@@ -4,11 +4,11 @@ MLX's CUDA backend keeps every queued kernel's inputs alive until the kernel has
 scheduler lets the host queue several commits ahead of the device. A chunk built as one graph
 (mlx-lm's forward, then one `mx.eval`) therefore holds the temporaries of many layers at once:
 on one H200, 8-12 GiB beyond weights + KV + one layer's tensors for the 8B shape
-(bench/results/h200-service/README.md). Here each layer's output is queued as soon as it is
+(docs/performance.md). Here each layer's output is queued as soon as it is
 built, and the host waits for the layer `depth` back before building more: the device stays
 busy while at most `depth` layers' temporaries are alive.
 
-On CPU the engine's graphs run as before (CPU peaks were calibrated that way).
+On CPU the engine's graphs run unpaced (CPU peaks are calibrated that way).
 """
 
 from collections import deque

@@ -4,7 +4,7 @@ A decode batch's rows hold different lengths (ring_worker/engine/batch_cache.py)
 takes
 no boolean mask on CUDA: with one it falls back to matmul + softmax over the sliced cache, and a
 32-row step of the 8B shape took 51 ms on an H200 against 17 ms when every row had one length
-(bench/results/batch-decode-h200-paired-*.json).
+(docs/batching.md).
 
 Here two kernels do it (flash-decoding):
 - `rows_partial`: one block of 4 warps per (row, KV head, key split). The block keeps its GQA

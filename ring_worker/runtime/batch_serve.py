@@ -322,7 +322,7 @@ def member_row_prefix(
     """The batch row (`prompts`: each row's job and prompt, in row order) whose prompt starts
     most like `tokens`, sharing at least `at_least` tokens, as a copy of the shared part's KV,
     for a joiner to continue: not the document's file (5-6 s to read at 128K on an H200,
-    bench/results/prefix-reuse.md), nor a recompute. The same on every rank (replicated rows,
+    docs/prefix-reuse.md), nor a recompute. The same on every rank (replicated rows,
     the same members)."""
     shared, best = max(at_least, 1) - 1, None
     for row, (key, prompt) in enumerate(prompts):
@@ -342,7 +342,7 @@ def last_row_memory(
     """What the memory tier keeps as a batch empties: the longest prompt of the jobs that left
     last (`vacated`: their slots; `prompts`: theirs), for the next job on its document, as a
     job run alone leaves its prompt's KV; not recomputed (12-15 s at 128K on an H100) nor read
-    from its file (5.4 s), bench/results/prefix-reuse.md. Only a prompt no longer than
+    from its file (5.4 s), docs/prefix-reuse.md. Only a prompt no longer than
     `first_row`, the columns of the row of the job that began the batch: the group's
     reservation counted that row before any join grew it, and keeps it when the batch's growth
     is given back (jobs/warm_groups.py). A buffer of one slot no longer than that holds nothing

@@ -1,7 +1,7 @@
 """A node agent's spare rank: a rank process started ahead of time, which has imported its
 modules and created its device context, and waits on stdin for the arguments of the rank it is
 to become (ring_worker.rank_main --standby). A new group's rank then starts in milliseconds
-instead of the ~12 s a fresh interpreter took on an H200 machine (bench/results/h200-service)."""
+instead of the ~12 s a fresh interpreter took on an H200 machine."""
 
 import json
 import logging

@@ -8,6 +8,7 @@ growing), the buffers are written in place, and a trace serves many steps."""
 import mlx.core as mx
 import pytest
 
+from ring_worker.engine.batch_cache import grown_slots
 from ring_worker.engine.batch_decode import BatchDecoder
 from ring_worker.engine.compiled_step import CompiledStep
 from ring_worker.engine.engines import Engine
@@ -64,32 +65,25 @@ def test_a_join_or_leave_does_not_retrace(tiny_model_dir):
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_a_batchs_width_is_the_slots_its_compiled_step_will_run(tiny_model_dir, compiled):
-    """The join budget keys its step times by `width`: for each row count, before the row
-    joins, what the step will cost by once it has. Compiled, that is the slots the buffers grow
-    to (every slot steps; rows join one by one and full buffers double: 1, 2, 4, 8, and halve
-    as rows leave half of them free); a lone row steps eagerly, by its one row. Eager, it is
-    the rows."""
+def test_a_batchs_slots_double_as_rows_join_and_halve_as_they_leave(tiny_model_dir, compiled):
+    """Rows join one by one and full buffers double (1, 2, 4, 8); as rows leave, the buffers
+    keep their slots while more than half are used, then halve."""
     engine = routed_engine(tiny_model_dir)
     decoder = BatchDecoder(engine, compiled=compiled)
     joins = [("a",), ("b", "c"), ("d",), ("e", "f", "g")]
     for keys in joins:
-        rows = len(decoder.members) + len(keys)
-        predicted = decoder.width(rows)
         for key in keys:
             tokens = 30 if key in "efg" else 6  # the last three outlive the rest
             decoder.add(*request(engine, key, 20 + 5 * len(decoder.members), tokens))
         decoder.step()
-        assert predicted == (decoder.cache.slots if compiled and rows > 1 else rows), keys
-    assert [decoder.cache.slots, decoder.width(7)] == ([8, 8] if compiled else [8, 7])
+        assert decoder.cache.slots == grown_slots(1, len(decoder.members)), keys
+    assert decoder.cache.slots == 8
     while len(decoder.members) > 6:  # rows leave; the slots stay while more than half are used
         decoder.step()
     assert decoder.cache.slots == 8
     while len(decoder.members) > 3:  # then they halve
         decoder.step()
-    assert decoder.cache.slots == 4 and decoder.width(3) == (4 if compiled else 3)
-    assert decoder.width(5) == (8 if compiled else 5)  # and a join doubles them again
-    assert decoder.width(1) == 1
+    assert decoder.cache.slots == 4
 
 
 def test_a_compiled_step_writes_the_buffers_in_place(tiny_model_dir):
