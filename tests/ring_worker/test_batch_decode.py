@@ -185,3 +185,77 @@ def test_warm_up_leaves_the_engine_as_it_found_it(tiny_model_dir):
     decoder = BatchDecoder(engine)
     decoder.add(*request(engine, "after", 30, 5))
     assert [r.tokens for r in decoder.run()] == [alone(tiny_model_dir, 30, 5)[0]]
+
+
+# (key, prompt tokens, max_tokens, temperature, seed): greedy and sampled rows, two sampled ones
+# on one seed, leaving at different steps so the rows after them move into their slots.
+MIXED = (
+    ("greedy-a", 257, 14, 0.0, 0),
+    ("hot-a", 40, 10, 1.0, 7),
+    ("greedy-b", 7, 6, 0.0, 0),
+    ("hot-b", 120, 16, 0.8, 11),
+    ("hot-c", 3, 8, 1.5, 7),
+)
+
+
+def decoded_alone(engine, key, length, max_tokens, temperature, seed) -> list[int]:
+    """The sequence in a batch of its own (for a sampled one, the reference the batch must keep)."""
+    decoder = BatchDecoder(engine)
+    decoder.add(*request(engine, key, length, max_tokens, temperature=temperature, seed=seed))
+    (result,) = decoder.run()
+    return result.tokens
+
+
+@pytest.mark.parametrize(
+    "order", [(0, 1, 2, 3, 4), (4, 3, 2, 1, 0), (1, 3, 4, 0, 2), (2, 0, 4, 1, 3)], ids=str
+)
+def test_mixed_greedy_and_sampled_rows_each_decode_as_alone(tiny_model_dir, order):
+    """Every row of a batch mixing greedy and sampled rows gets the tokens it gets alone (same
+    seed), whatever row it holds; the last of `order` joins two steps after the others."""
+    engine = Engine(model_at(tiny_model_dir))
+    want = {row[0]: decoded_alone(engine, *row) for row in MIXED}
+    for key, length, max_tokens, temperature, _ in MIXED:
+        greedy = alone(tiny_model_dir, length, max_tokens)[0]
+        assert (want[key] == greedy) == (temperature == 0), key  # sampled rows do sample
+    assert want["hot-a"][:8] != want["hot-c"], "one seed, two rows: still their own draws"
+
+    decoder = BatchDecoder(engine)
+    *first, late = [MIXED[index] for index in order]
+    for key, length, max_tokens, temperature, seed in first:
+        decoder.add(*request(engine, key, length, max_tokens, temperature=temperature, seed=seed))
+    results = decoder.step() + decoder.step()
+    key, length, max_tokens, temperature, seed = late
+    decoder.add(*request(engine, key, length, max_tokens, temperature=temperature, seed=seed))
+    results += decoder.run()
+    assert {r.key: r.tokens for r in results} == want
+    assert max(r.max_batch_size for r in results) == len(MIXED)
+
+
+@pytest.mark.parametrize("leavers_first", [True, False], ids=["leavers-first", "leavers-last"])
+def test_rows_leaving_early_keep_the_others_limits(tiny_model_dir, leavers_first):
+    """Rows that leave early (a short max_tokens, a stop token, a stop string) take nothing from
+    the rows that stay: each of those still decodes exactly its own max_tokens, as alone, and
+    each leaver stops exactly where its own limit says."""
+    engine = Engine(model_at(tiny_model_dir))
+    stop_want = alone(tiny_model_dir, 60, 30)[0]
+    stop_id = stop_want[4]
+    leavers = [
+        ("brief", 7, 2, {}),
+        ("stop-token", 60, 30, {"stop_ids": frozenset({stop_id})}),
+        ("stop-string", 90, 30, {"stop_when": lambda tokens: len(tokens) >= 5}),
+    ]
+    # "answer" runs past the buffer's first 512 columns, long after the others left and the
+    # buffers shrank around it.
+    stayers = [("long", 300, 40, {}), ("mid", 130, 9, {}), ("answer", 20, 260, {})]
+    decoder = BatchDecoder(engine)
+    for key, length, max_tokens, kwargs in (
+        leavers + stayers if leavers_first else stayers + leavers
+    ):
+        decoder.add(*request(engine, key, length, max_tokens, **kwargs))
+    got = {r.key: r.tokens for r in decoder.run()}
+    for key, length, max_tokens, _ in stayers:
+        assert got[key] == alone(tiny_model_dir, length, max_tokens)[0], key
+        assert len(got[key]) == max_tokens, key
+    assert got["brief"] == alone(tiny_model_dir, 7, 2)[0]
+    assert got["stop-token"] == stop_want[: stop_want.index(stop_id) + 1]
+    assert got["stop-string"] == alone(tiny_model_dir, 90, 5)[0]
