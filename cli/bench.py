@@ -22,12 +22,8 @@ from admission.group_plan import default_chunk_tokens
 from cli.bench_machine import machine_info, mfu, probe_matmul_tflops
 from cli.bench_plot import write_plot
 from cli.bench_report import (
-    EXCHANGES,
-    KV_LAYOUTS,
-    STRATEGIES,
     Cell,
     CellFailed,
-    parse_choices,
     parse_positive_ints,
     plan_cells,
     report_table,
@@ -37,7 +33,7 @@ from cli.bench_report import (
     tile_tokens,
 )
 from cli.common import echo_json, interrupt_on_sigterm
-from cli.options import chunk_tokens_option, renamed_option
+from cli.options import chunk_tokens_option, comma_list, layout_options
 from jobs.errors import InvalidJobError, RingqError
 from jobs.model_catalog import read_model_shape, resolve_model
 from jobs.schemas import JobKind, JobResult, JobSpec
@@ -51,16 +47,6 @@ PROMPT_TEXT = Path(__file__).parent / "demo" / "document.md"
 WIDE_COLUMNS = 160  # a table written to a file or pipe is not cut to 80 columns
 
 
-def list_option(parse):
-    def callback(ctx: click.Context, param: click.Parameter, value: str):
-        try:
-            return parse(value)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
-
-    return callback
-
-
 @click.command()
 @click.option("--model", default=None, help="Model name (smollm2), GGUF file or HF/MLX dir.")
 @click.option(
@@ -68,56 +54,13 @@ def list_option(parse):
     "pp_list",
     default="512,1024,2048",
     show_default=True,
-    callback=list_option(parse_positive_ints),
+    callback=comma_list(parse_positive_ints),
     help="Prompt lengths in tokens, comma-separated.",
 )
 @click.option(
     "--tg", type=click.IntRange(0, 32768), default=16, show_default=True, help="Tokens to decode."
 )
-@click.option(
-    "--strategy",
-    "strategies",
-    default="single,ring",
-    show_default=True,
-    callback=list_option(lambda v: parse_choices(v, STRATEGIES)),
-    help="Strategies, comma-separated: " + ", ".join(STRATEGIES) + ".",
-)
-@renamed_option(
-    "--sharding",
-    "--strategy",
-    "strategies",
-    callback=list_option(lambda v: parse_choices(v, STRATEGIES)),
-)
-@click.option(
-    "--ranks",
-    type=click.IntRange(2, 64),
-    default=2,
-    show_default=True,
-    help="Ranks of ring and pipeline cells (single always runs on one).",
-)
-@renamed_option("--ring-size", "--ranks", "ranks", type=click.IntRange(2, 64))
-@click.option(
-    "--exchange",
-    "exchanges",
-    default="rotate",
-    show_default=True,
-    callback=list_option(lambda v: parse_choices(v, EXCHANGES)),
-    help="Ring K/V exchanges, comma-separated: " + ", ".join(EXCHANGES) + ".",
-)
-@click.option(
-    "--kv-layout",
-    "kv_layouts",
-    default="replicated",
-    show_default=True,
-    callback=list_option(lambda v: parse_choices(v, KV_LAYOUTS)),
-    help="Ring KV layouts, comma-separated: " + ", ".join(KV_LAYOUTS) + ".",
-)
-@renamed_option(
-    "--decode-kv",
-    "--kv-layout",
-    "kv_layouts",
-    callback=list_option(lambda v: parse_choices(v, KV_LAYOUTS)),
-)
+@layout_options(many=True)
 @click.option(
     "--warmup",
     type=click.IntRange(0),

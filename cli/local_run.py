@@ -6,9 +6,9 @@ from typing import Literal, cast
 import click
 from rich.console import Console
 
-from admission.vocabulary import EXCHANGES, KV_LAYOUTS, STRATEGIES, Exchange, KVLayout
+from admission.vocabulary import Exchange, KVLayout
 from cli.common import echo_json, interrupt_on_sigterm
-from cli.options import build_spec, chunk_tokens_option, job_options, renamed_option
+from cli.options import build_spec, chunk_tokens_option, job_options, layout_options
 from cli.render import live_progress, print_result
 from jobs.errors import RingqError
 from jobs.lifecycle import JobState
@@ -23,38 +23,8 @@ from ring_worker.runtime.local_group import LocalRunError, run_local
 @click.argument("kind", type=click.Choice(["prefill", "generate"]))
 @click.argument("file")
 @job_options
-@click.option(
-    "--strategy",
-    type=click.Choice(STRATEGIES),
-    default="ring",
-    show_default=True,
-    help="ring: sequence parallel; pipeline: layers split over ranks; single: one rank.",
-)
-@renamed_option("--sharding", "--strategy", "strategy", type=click.Choice(STRATEGIES))
-@click.option(
-    "--ranks",
-    type=click.IntRange(1, 16),
-    default=2,
-    show_default=True,
-    help="Ranks of a ring or pipeline.",
-)
-@renamed_option("--ring-size", "--ranks", "ranks", type=click.IntRange(1, 16))
+@layout_options(many=False)
 @chunk_tokens_option
-@click.option(
-    "--exchange",
-    type=click.Choice(["auto", *EXCHANGES]),
-    default=None,
-    help="How ring ranks share K/V blocks (default RINGQ_EXCHANGE: auto = allgather over NCCL "
-    "when every rank has a GPU of its own, rotate elsewhere).",
-)
-@click.option(
-    "--kv-layout",
-    type=click.Choice(KV_LAYOUTS),
-    default=None,
-    help="KV layout on the ring's ranks (default RINGQ_KV_LAYOUT; its auto is replicated here: "
-    "`ringq run` reserves no memory to choose by).",
-)
-@renamed_option("--decode-kv", "--kv-layout", "kv_layout", type=click.Choice(KV_LAYOUTS))
 def run(
     kind,
     file,

@@ -1,10 +1,14 @@
-"""Job options shared by `submit` and `run`, and turning them into a JobSpec."""
+"""Options shared by the commands: a job's (`submit`, `run`), a group layout's (`run`, `bench`),
+and turning them into a JobSpec."""
 
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import click
 from click.core import ParameterSource
 
+from admission.vocabulary import EXCHANGES, KV_LAYOUTS, STRATEGIES
+from cli.bench_report import parse_choices
 from cli.common import read_document
 from jobs.schemas import DEFAULT_GENERATE_PROMPT, JobKind, JobSpec
 from jobs.settings import get_settings
@@ -124,3 +128,69 @@ chunk_tokens_option = click.option(
     default=None,
     help="Prefill chunk (default RINGQ_PREFILL_CHUNK_TOKENS, else 512 on CPU and 16384 on GPUs).",
 )
+
+
+def comma_list(parse: Callable[[str], object]):
+    """A click callback parsing a comma-separated value, its error as click's."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str):
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+    return callback
+
+
+def choices_list(choices: Sequence[str]):
+    return comma_list(lambda text: parse_choices(text, choices))
+
+
+def layout_options(many: bool):
+    """--strategy, --ranks, --exchange and --kv-layout, with their old names hidden: one layout
+    (`run`), or comma-separated lists of them, every combination a cell (`bench`)."""
+    if many:
+        strategy = dict(default="single,ring", callback=choices_list(STRATEGIES))
+        exchange = dict(default="rotate", callback=choices_list(EXCHANGES))
+        kv_layout = dict(default="replicated", callback=choices_list(KV_LAYOUTS))
+        ranks = click.IntRange(2, 64)
+        names = ("strategies", "exchanges", "kv_layouts")
+        helps = (
+            "Strategies, comma-separated: " + ", ".join(STRATEGIES) + ".",
+            "Ranks of ring and pipeline cells (single always runs on one).",
+            "Ring K/V exchanges, comma-separated: " + ", ".join(EXCHANGES) + ".",
+            "Ring KV layouts, comma-separated: " + ", ".join(KV_LAYOUTS) + ".",
+        )
+    else:
+        strategy = dict(default="ring", type=click.Choice(STRATEGIES))
+        exchange = dict(default=None, type=click.Choice(["auto", *EXCHANGES]))
+        kv_layout = dict(default=None, type=click.Choice(KV_LAYOUTS))
+        ranks = click.IntRange(1, 16)
+        names = ("strategy", "exchange", "kv_layout")
+        helps = (
+            "ring: sequence parallel; pipeline: layers split over ranks; single: one rank.",
+            "Ranks of a ring or pipeline.",
+            "How ring ranks share K/V blocks (default RINGQ_EXCHANGE: auto = allgather over "
+            "NCCL when every rank has a GPU of its own, rotate elsewhere).",
+            "KV layout on the ring's ranks (default RINGQ_KV_LAYOUT; its auto is replicated "
+            "here: `ringq run` reserves no memory to choose by).",
+        )
+    show: dict[str, Any] = dict(show_default=True) if many else {}
+    alias = {k: v for k, v in strategy.items() if k != "default"}
+    layout_alias = {k: v for k, v in kv_layout.items() if k != "default"}
+    options = [
+        click.option("--strategy", names[0], show_default=True, help=helps[0], **strategy),
+        renamed_option("--sharding", "--strategy", names[0], **alias),
+        click.option("--ranks", type=ranks, default=2, show_default=True, help=helps[1]),
+        renamed_option("--ring-size", "--ranks", "ranks", type=ranks),
+        click.option("--exchange", names[1], help=helps[2], **show, **exchange),
+        click.option("--kv-layout", names[2], help=helps[3], **show, **kv_layout),
+        renamed_option("--decode-kv", "--kv-layout", names[2], **layout_alias),
+    ]
+
+    def decorate(func):
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate

@@ -18,40 +18,17 @@ from pydantic import BaseModel, ConfigDict
 from jobs import keys
 from jobs.errors import InvalidJobError
 from jobs.lifecycle import JobState
-from jobs.schemas import BatchRecord, JobKind, Placement, Progress
+from jobs.schemas import BatchRecord, JobHeader, Progress, header_fields
 from jobs.store import SUMMARY_FIELD
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 10_000
-_FIELDS = (
-    "kind",
-    "state",
-    "progress",
-    "placement",
-    "error",
-    "waiting_reason",
-    "attempt",
-    "created_at",
-    "updated_at",
-    SUMMARY_FIELD,
-)
+_FIELDS = (*header_fields(JobHeader), SUMMARY_FIELD)
 
 
-class JobSummary(BaseModel):
+class JobSummary(JobHeader):
     """One row of a job list: what `ringq jobs` shows, without the document."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    id: str
-    kind: JobKind
-    state: JobState
-    progress: Progress
-    placement: Placement | None = None
-    error: str | None = None
-    waiting_reason: str | None = None
-    attempt: int = 0
-    created_at: float
-    updated_at: float
     model: str | None = None  # None for jobs recorded before summaries were kept
     document_name: str | None = None
     custom_id: str | None = None

@@ -129,22 +129,33 @@ class JobResult(_Message):
     batch_size: int = 1  # the most sequences it decoded together with (continuous batching)
 
 
-class JobRecord(_Message):
-    """Everything known about one job; `state` is the job's phase."""
+class JobHeader(_Message):
+    """A job's small fields: what every view of a job shows (a record, a list row, the API's
+    view), each of them a separate field of the job's Redis hash."""
 
     id: str
     kind: JobKind
     state: JobState
-    spec: JobSpec
     progress: Progress
     placement: Placement | None = None
-    result: JobResult | None = None
     error: str | None = None
     waiting_reason: str | None = None  # queued until memory frees on the nodes: why
     attempt: int = 0  # placements tried after a lost group (at most RINGQ_MAX_RETRIES)
-    retry_reasons: list[str] = []  # why each earlier group was lost
     created_at: float
     updated_at: float
+
+
+def header_fields(view: type[JobHeader]) -> tuple[str, ...]:
+    """The hash fields a view of a job reads: its own, less the id (the key holds it)."""
+    return tuple(name for name in view.model_fields if name != "id")
+
+
+class JobRecord(JobHeader):
+    """Everything known about one job; `state` is the job's phase."""
+
+    spec: JobSpec
+    result: JobResult | None = None
+    retry_reasons: list[str] = []  # why each earlier group was lost
 
 
 class BatchEntry(_Message):

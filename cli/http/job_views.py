@@ -6,45 +6,22 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-from pydantic import BaseModel, ConfigDict
 
 from jobs import keys
 from jobs.errors import JobNotFoundError, UnknownModelError
-from jobs.lifecycle import JobState
+from jobs.listing import eta_s
 from jobs.model_catalog import PACKAGED_MODELS
-from jobs.overview import eta_s
 from jobs.random_models import PREFIX, PRESETS, is_random
-from jobs.schemas import JobKind, JobRecord, JobResult, Placement, Progress
+from jobs.schemas import JobHeader, JobRecord, JobResult, Progress, header_fields
 from jobs.settings import Settings
 
-VIEW_FIELDS = (
-    "kind",
-    "state",
-    "progress",
-    "placement",
-    "result",
-    "error",
-    "waiting_reason",
-    "attempt",
-    "created_at",
-    "updated_at",
-)
+VIEW_FIELDS = (*header_fields(JobHeader), "result")
 
 
-class JobView(BaseModel):
-    model_config = ConfigDict(frozen=True)
+class JobView(JobHeader):
+    """A job as the API shows it: its header, its result, and the ETA of its current phase."""
 
-    id: str
-    kind: JobKind
-    state: JobState
-    progress: Progress
-    placement: Placement | None = None
     result: JobResult | None = None
-    error: str | None = None
-    waiting_reason: str | None = None
-    attempt: int = 0
-    created_at: float
-    updated_at: float
     eta_s: float | None = None  # seconds left in the current phase (eta_for)
 
 
@@ -74,16 +51,8 @@ def read_views(
             if value is not None
         }
         progress = Progress.model_validate(fields.pop("progress"))
-        views.append(JobView(id=job_id, progress=progress, eta_s=eta_for(progress), **fields))
+        views.append(JobView(id=job_id, progress=progress, eta_s=eta_s(progress), **fields))
     return views
-
-
-def eta_for(progress: Progress) -> float | None:
-    """Seconds left in the current phase at its own speed: prefill by prompt tok/s, decode by
-    generated tok/s (at most max_tokens are left); None without a speed to go by."""
-    if progress.phase == JobState.DECODE and progress.generation_tps > 0:
-        return max(progress.total - progress.processed, 0) / progress.generation_tps
-    return eta_s(progress)
 
 
 def spec_json(record: JobRecord) -> dict[str, Any]:

@@ -19,12 +19,12 @@ from starlette.concurrency import run_in_threadpool
 
 from cli.http.deps import Config, Conn
 from cli.http.errors import ApiError
-from cli.http.job_views import JobView, check_served_model, eta_for, read_view, spec_json
+from cli.http.job_views import JobView, check_served_model, read_view, spec_json
 from jobs import keys
 from jobs.cancel import cancel_job
 from jobs.job_text import TextFollower, read_text
 from jobs.lifecycle import JobState
-from jobs.listing import MAX_LIMIT, list_jobs
+from jobs.listing import MAX_LIMIT, eta_s, list_jobs
 from jobs.schemas import JobSpec, TrackedGroup
 from jobs.store import JobStore
 from jobs.submit import submit_job
@@ -54,7 +54,7 @@ def list_(
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
 ) -> dict[str, Any]:
     rows = list_jobs(conn, state=state, batch_id=batch, limit=limit)
-    data = [{**row.model_dump(mode="json"), "eta_s": eta_for(row.progress)} for row in rows]
+    data = [{**row.model_dump(mode="json"), "eta_s": eta_s(row.progress)} for row in rows]
     return {"object": "list", "data": data}
 
 

@@ -1,4 +1,4 @@
-"""The README's CLI table against the real click commands: every command is listed, and every
+"""docs/cli.md's command table against the real click commands: every command is listed, and every
 option the table shows for a command exists, so the docs cannot drift from the CLI unnoticed."""
 
 import re
@@ -9,7 +9,7 @@ import pytest
 
 from cli.main import cli
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CLI_DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 ROW = re.compile(r"^\| `(ringq [^`]*)` \|", re.MULTILINE)
 # -o, --max-tokens; not the '-' of 'mlx-lm' or of a '-...' FILE placeholder.
 OPTION = re.compile(r"(?<![\w-])--?[A-Za-z][\w-]*")
@@ -47,7 +47,7 @@ def option_names(command: click.Command, hidden: bool = False) -> set[str]:
 
 
 def table_problems(readme_text: str) -> list[str]:
-    """What is wrong with the README's CLI table: unknown commands and options, missing rows."""
+    """What is wrong with the CLI table: unknown commands and options, missing rows."""
     problems, listed = [], set()
     for usage in ROW.findall(readme_text):
         path, command = resolve(usage)
@@ -67,11 +67,11 @@ def table_problems(readme_text: str) -> list[str]:
 
 
 def test_readme_cli_table_matches_click():
-    assert table_problems(README.read_text()) == []
+    assert table_problems(CLI_DOC.read_text()) == []
 
 
 def test_the_table_has_rows():
-    rows = ROW.findall(README.read_text())
+    rows = ROW.findall(CLI_DOC.read_text())
     assert len(rows) >= len(leaf_commands(cli)), rows
 
 
