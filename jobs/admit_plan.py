@@ -14,10 +14,17 @@ How a layout is chosen (the reason is stored on the placement and shown by `ring
   in-flight prefill of the same prefix, prefers the nodes that keep it, and only the tokens left
   to compute count against RINGQ_RING_MIN_TOKENS.
 - continuous batching (RINGQ_MAX_BATCH > 1): a generate job first tries to join a busy group of
-  its model and layout (`plan_joins`: single, or a ring with replicated KV), growing that
-  group's reservation to hold its batch's KV buffer with the job's row in it (every row as
-  long as the longest, rows doubling: jobs/warm_groups.py); where none takes it, the paths
-  above.
+  its model and layout (`plan_joins`: single, or a ring with replicated KV); where none takes
+  it, the paths above. Who decides a join, in order:
+  1. memory, here: a group takes the job only while its batch is under its limit
+     (settings.group_batch_limit) and its nodes have the bytes to grow its reservation by the
+     job's row (every row as long as the longest, slots doubling), leaving the head's hold;
+  2. the commit, jobs/warm_groups.py: one Lua script grows the reservation and hands the job to
+     the group's ranks, or refuses when the group retired or the bytes went meanwhile;
+  3. the group's lead rank (ring_worker/runtime/batch_serve.py `agreed_joins`): between two
+     decode steps it takes every job handed over, one collective tells the other ranks how
+     many, and the ranks vote that each is still placed on them. There is no latency budget:
+     a join stalls the members for the joiner's prefill, which the throughput it adds repays.
 - the head of the queue (EASY backfill, as in Slurm): the oldest job (by created_at; retries ahead
   of first attempts: jobs/memory_waits.py) waiting for memory (it fits an empty cluster, not the
   cluster now) holds what it needs on the nodes it waits for (`Wait.hold`; jobs/memory_waits.py
