@@ -10,6 +10,7 @@ from typing import cast
 import mlx.core as mx
 import pytest
 
+from jobs.prefix_cache import BLOCK_TOKENS
 from jobs.prefix_index import PrefixIndex
 from ring_worker.engine.batch_decode import BatchDecoder, DecodeRequest
 from ring_worker.engine.engines import Engine
@@ -90,4 +91,52 @@ def test_no_row_is_copied_unless_it_would_be_taken(tiny_model_dir, question, at_
     assert member_row_prefix(decoder.cache, [("doc", DOC)], question, at_least) is None
     found = member_row_prefix(decoder.cache, [("doc", DOC)], question, 1)
     assert (found is not None) == (at_least > 1)
+    decoder.run()
+
+
+def sharing(count: int, seed: int) -> list[int]:
+    """A question sharing exactly DOC's first `count` tokens, then going its own way."""
+    return DOC[:count] + [(DOC[count] + 1) % 1000] + tokens(20, seed)
+
+
+@pytest.mark.parametrize(
+    ("shared", "at_least", "reused"),
+    [
+        (40, 40, True),  # exactly the minimum
+        (39, 40, False),  # one token less
+        (41, 40, True),
+        (1, 1, True),
+        (0, 1, False),
+    ],
+)
+def test_a_row_sharing_exactly_the_minimum_is_taken(tiny_model_dir, shared, at_least, reused):
+    engine = Engine(load_tiny(tiny_model_dir))
+    decoder = BatchDecoder(engine)
+    decoder.add(DecodeRequest("doc", 4), engine.prefill(DOC, CHUNK_TOKENS))
+    found = member_row_prefix(decoder.cache, [("doc", DOC)], sharing(shared, 9), at_least)
+    assert (len(found.tokens) if found else None) == (shared if reused else None)
+    decoder.run()
+
+
+@pytest.mark.parametrize(("shared", "reused"), [(BLOCK_TOKENS, True), (BLOCK_TOKENS - 1, False)])
+def test_a_joiner_reuses_a_row_from_one_block_on(
+    tiny_model_dir, redis_conn, tmp_path, shared, reused
+):
+    """RankPrefixCache.find's minimum with nothing kept: a block (BLOCK_TOKENS). A member row
+    sharing exactly that is taken; one token less, and the joiner computes its whole prompt."""
+    engine = Engine(load_tiny(tiny_model_dir))
+    decoder = BatchDecoder(engine)
+    decoder.add(DecodeRequest("doc", 4), engine.prefill(DOC, CHUNK_TOKENS))
+    view = view_of(engine, "node0", "single", "replicated")
+    cache = RankPrefixCache(
+        PrefixIndex(redis_conn), node_store(tmp_path, "node0", 10**9), view,
+        f"tiny:{uuid.uuid4().hex}",
+        rows=lambda t, at_least: member_row_prefix(decoder.cache, [("doc", DOC)], t, at_least),
+    )  # fmt: skip
+    found = cache.find(engine, sharing(shared, 10))
+    if reused:
+        assert found is not None
+        assert (found.entry_id, found.source, found.tokens) == ("doc", "batch row", shared)
+    else:
+        assert found is None
     decoder.run()
