@@ -177,3 +177,51 @@ def test_every_layout_reuses_every_others_prefix(model_dir, redis_conn, redis_ur
             assert got_one == {"tokens": recomputed(model, tokens), "reused": DOC_TOKENS}, layout
     finally:
         forget(redis_conn, model_dir)
+
+
+def in_dtype(model_dir, dtype: mx.Dtype) -> Engine:
+    model = load_tiny(model_dir)
+    model.set_dtype(dtype)
+    return Engine(model)
+
+
+def keep_on_disk(cache: RankPrefixCache, engine: Engine, entry_id: str, tokens: list[int]):
+    slow = replace(engine.prefill(tokens, CHUNK_TOKENS), seconds=1e9)  # a CPU's: the file pays
+    entry = cache.keep(engine, entry_id, tokens, slow, None)
+    assert entry is not None and entry.kv_dtype == cache.view.kv_dtype
+    return entry
+
+
+@pytest.mark.parametrize(
+    ("kept", "later"), [(mx.float32, mx.bfloat16), (mx.bfloat16, mx.float32)], ids=str
+)
+def test_a_kept_prefix_of_another_kv_dtype_is_never_reused(
+    model_dir, redis_conn, tmp_path, kept, later
+):
+    """One model (one model key), two compute dtypes (a CPU node's float32, a GPU's bfloat16):
+    a group never loads the other dtype's kept KV; among entries of both at the same depth, it
+    takes its own dtype's, even where the other's is longer and newer."""
+    keeper = in_dtype(model_dir, kept)
+    other = single_cache(model_dir, redis_conn, tmp_path, keeper)
+    tokens = DOC + question(7)
+    try:
+        foreign = keep_on_disk(other, keeper, f"d{uuid.uuid4().hex[:6]}", DOC + question(5, 40))
+        engine = in_dtype(model_dir, later)
+        cache = single_cache(model_dir, redis_conn, tmp_path, engine)  # same node, same files
+        assert PrefixIndex(redis_conn).match(cache.model_key, tokens).entries == [foreign]
+        assert cache.find(engine, tokens) is None
+        assert cache.prefill(engine, tokens, CHUNK_TOKENS)[1] is None  # computed in full
+
+        own = keep_on_disk(cache, engine, f"o{uuid.uuid4().hex[:6]}", DOC + question(6))
+        newer = keep_on_disk(other, keeper, f"n{uuid.uuid4().hex[:6]}", DOC + question(8, 60))
+        assert {e.id for e in PrefixIndex(redis_conn).match(cache.model_key, tokens).entries} == {
+            foreign.id,
+            own.id,
+            newer.id,
+        }
+        cache.forget()  # a fresh group: from the files
+        found = cache.find(engine, tokens)
+        assert found is not None and (found.entry_id, found.tokens) == (own.id, DOC_TOKENS)
+        assert found.cache[0].keys.dtype == later
+    finally:
+        forget(redis_conn, model_dir)
