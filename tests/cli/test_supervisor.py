@@ -117,3 +117,84 @@ def tick_until_changed(supervisor: Supervisor, said: list[str]) -> bool:
     before = len(said)
     supervisor.tick()
     return len(said) > before
+
+
+class FailingService:
+    """A Supervised (cli/supervisor.py) of one service, "svc", whose every process is a real one
+    that has already exited (code 1) when the supervisor looks: it crashes at each tick the
+    supervisor does not restart it."""
+
+    def __init__(self, redis_url: str, home):
+        self.url = redis_url
+        self.redis = None
+        self.settings = Settings(home=home, redis_url=redis_url)
+        self.children = [("svc", self._spawn(), home / "svc.log")]
+
+    def _spawn(self) -> subprocess.Popen:
+        process = subprocess.Popen([shutil.which("false") or "false"])
+        process.wait()
+        return process
+
+    def restart(self, label: str) -> subprocess.Popen:
+        process = self._spawn()
+        self.children = [(label, process, path) for label, _, path in self.children]
+        return process
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def crash_and_restart(supervisor: Supervisor, clock: FakeClock, said: list[str], at_s: float):
+    """The service exits at `at_s` (seen by a tick then); its backoff, and the restart after it.
+    None: left stopped."""
+    clock.now_s = at_s
+    supervisor.tick()
+    track = supervisor.tracks["svc"]
+    if track.stopped:
+        return None
+    assert track.due_at_s is not None, said[-1]
+    backoff_s = track.due_at_s - at_s
+    assert f"restarting in {backoff_s:.1f} s" in said[-1]
+    clock.now_s = track.due_at_s - 0.01
+    supervisor.tick()
+    assert track.due_at_s is not None  # not before its backoff
+    clock.now_s = track.due_at_s
+    supervisor.tick()
+    assert track.due_at_s is None and "restarted" in said[-1]
+    return backoff_s
+
+
+def test_backoff_resets_after_a_quiet_window(redis_url, redis_conn, short_tmp_path):
+    """Restarts within `window_s` double the backoff; once a whole window passes without one,
+    the next crash starts again from `first_backoff_s`, and a service that crashes once per
+    window is never taken for a crash loop (a fake clock: no sleeps)."""
+    policy = RestartPolicy(max_restarts=3, window_s=60.0, first_backoff_s=0.5, max_backoff_s=8.0)
+    clock, said = FakeClock(), []
+    supervisor = Supervisor(FailingService(redis_url, short_tmp_path), policy, said.append, clock)
+    try:
+        start = clock.now_s
+        backoffs = [crash_and_restart(supervisor, clock, said, start + t) for t in (0, 1, 3)]
+        assert backoffs == [0.5, 1.0, 2.0]  # restarts at +0.5, +2.0, +5.0
+        # at +61 s the first restart has left the window, the other two count
+        assert crash_and_restart(supervisor, clock, said, start + 61) == 2.0
+        # a whole window after the last restart (+63): from the first backoff again
+        last = supervisor.tracks["svc"].restart_times_s[-1]
+        assert crash_and_restart(supervisor, clock, said, last + policy.window_s) == 0.5
+        for _ in range(2 * policy.max_restarts):  # one crash per window, for ever
+            later = supervisor.tracks["svc"].restart_times_s[-1] + policy.window_s + 1
+            assert crash_and_restart(supervisor, clock, said, later) == 0.5
+        status = {s.label: s for s in read_service_statuses(redis_conn)}["svc"]
+        assert status.state == ServiceState.RUNNING
+        assert status.restarts == 5 + 2 * policy.max_restarts
+        # and crashes close together again still end in a crash loop
+        now = clock.now_s
+        assert [crash_and_restart(supervisor, clock, said, now + t) for t in (1, 3)] == [1.0, 2.0]
+        assert crash_and_restart(supervisor, clock, said, clock.now_s + 1) is None
+        assert "crash loop" in said[-1]
+    finally:
+        supervisor.close()
