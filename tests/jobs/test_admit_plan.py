@@ -318,3 +318,30 @@ def test_a_retry_after_a_stalled_ring_takes_the_fewest_nodes_despite_its_checkpo
     stalled = retried(job(131072), RING_ON_G1_G0, "rank 0 on node g1: stalled for 300 s")
     place = plan_admission(stalled, Cluster(GPUS, {}, []), SETTINGS)
     assert isinstance(place, Place) and place.plan.layout.strategy == "single"
+
+
+STALLED = "rank 0 on node g1: stalled for 300 s"
+KILLED = "rank 1 was killed by signal 9"
+
+
+@pytest.mark.parametrize(
+    ("reasons", "resumes"),
+    [
+        ([STALLED, KILLED], True),  # stalled once, then lost for another reason: back there
+        ([KILLED, STALLED], False),  # the latest loss was a stall: not between those nodes
+        ([STALLED, STALLED, KILLED], True),
+        ([KILLED, KILLED, STALLED], False),
+    ],
+)
+def test_a_retrys_latest_failure_decides_where_it_resumes(reasons, resumes):
+    planned = job(131072)
+    record = planned.record.model_copy(update={"attempt": len(reasons), "retry_reasons": reasons})
+    retry = Job(
+        record, planned.tokens, planned.shape, planned.model_dtype, checkpoint=RING_ON_G1_G0
+    )
+    place = plan_admission(retry, Cluster(GPUS, {}, []), SETTINGS)
+    assert isinstance(place, Place)
+    if resumes:
+        assert place.plan.nodes == ("g1", "g0") and "continues from its checkpoint" in place.reason
+    else:
+        assert place.plan.layout.strategy == "single" and "checkpoint" not in place.reason

@@ -10,6 +10,8 @@ import pytest
 
 from cli.render import describe, status_json
 from jobs import keys
+from jobs.admit_plan import Cluster, Job, Place, plan_admission
+from jobs.checkpoint_marks import CheckpointMark, checkpoint_hint, mark_checkpoint, read_marks
 from jobs.errors import StaleGroupError
 from jobs.lifecycle import JobState
 from jobs.recovery import (
@@ -27,6 +29,8 @@ from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import admit_data
 from ring_worker.runtime.job_io import RedisJobIO
+from tests.jobs.test_admit_plan import GPUS, SETTINGS
+from tests.jobs.test_admit_plan import job as planned_job
 
 
 @pytest.fixture
@@ -396,3 +400,41 @@ def test_died_here(name, gone):
     )
     name = name.format(host=socket.gethostname(), pid=os.getpid(), dead=finished.stdout.strip())
     assert died_here(name, DISPATCHER_ROLE) is gone
+
+
+@pytest.mark.parametrize(
+    ("first", "latest", "resumes"),
+    [
+        ("rank 0 on node g1: stalled for 300 s", "rank 1 was killed by signal 9", True),
+        ("rank 1 was killed by signal 9", "rank 0 on node g1: stalled for 300 s", False),
+    ],
+)
+def test_the_latest_loss_not_the_first_decides_where_a_retry_resumes(
+    store, settings, first, latest, resumes
+):
+    """Two groups lost in turn (lose_group records each reason, in order), a complete ring-2
+    checkpoint on g1, g0 (its ranks' marks): the dispatcher's plan (jobs/admit_plan.py
+    plan_resume) goes back to the checkpoint unless the LATEST loss was a stall."""
+    job = new_job(store)
+    place(store, job, "lost1", nodes=("g1", "g0"))
+    assert lose_group(store.conn, settings, job, "lost1", first) == "retried"
+    store.transition(job, JobState.ADMITTED)
+    place_retry(store, job, "lost2")
+    assert lose_group(store.conn, settings, job, "lost2", latest) == "retried"
+    for rank, node in enumerate(("g1", "g0")):
+        mark = CheckpointMark(strategy="ring", kv_layout="replicated", ranks=2, node=node,
+                              tokens=98304)  # fmt: skip
+        mark_checkpoint(store.conn, job, rank, mark, ttl_s=60)
+
+    record = store.get(job)
+    assert record.retry_reasons == [first, latest] and record.attempt == 2
+    shaped = planned_job(131072)  # the 8B shape, 128K tokens: a ring if it goes back
+    retry = Job(record, shaped.tokens, shaped.shape, shaped.model_dtype,
+                checkpoint=checkpoint_hint(read_marks(store.conn, job)))  # fmt: skip
+    decision = plan_admission(retry, Cluster(GPUS, {}, []), SETTINGS)
+    assert isinstance(decision, Place)
+    if resumes:
+        assert decision.plan.nodes == ("g1", "g0")
+        assert "continues from its checkpoint at 98304 tokens" in decision.reason
+    else:
+        assert decision.plan.layout.strategy == "single" and "checkpoint" not in decision.reason
