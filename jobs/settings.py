@@ -122,6 +122,13 @@ class Settings(BaseSettings):
         "under RINGQ_HOME/checkpoints, so a retried job continues from there; 0: off. The "
         "prefill never waits for the disk (docs/checkpoints.md).",
     )
+    checkpoint_after_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Only a prefill projected (after its first chunk, by its FLOPs) to need at "
+        "least this many seconds more takes checkpoints: a shorter one costs less to redo after "
+        "a crash than to insure; 0: every prefill does.",
+    )
     checkpoint_budget_bytes: int = Field(
         default=16 * 1024**3,
         gt=0,

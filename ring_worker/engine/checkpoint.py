@@ -200,8 +200,11 @@ class Checkpointer:
         skip_while_busy: bool = False,
         node: str | None = None,
         max_segment_tokens: int | None = None,
+        after_s: float = 0.0,
     ):
-        """`node`: the node this rank runs on; its parts go to the node's folder, and
+        """`after_s`: checkpoints are taken only in a prefill the ranks project (after its first
+        step, `decide`) to take at least this many seconds more; 0: in every prefill.
+        `node`: the node this rank runs on; its parts go to the node's folder, and
         `budget_bytes` bounds the parts of that node's ranks (without a node: every checkpoint
         under `home`). `on_change(tokens)`: called (from the writer thread) once the checkpoint
         reaches `tokens` prompt tokens on disk, and with 0 once it is deleted; the service
@@ -225,10 +228,23 @@ class Checkpointer:
         self._queue: queue.Queue[_Segment | None] = queue.Queue(1)
         self._held = threading.Semaphore(HELD_SEGMENTS)  # segment copies alive at once
         self._writing = False
+        self.after_s = after_s
+        self.taking: bool | None = True if after_s <= 0 else None  # None: not decided yet
+        self._discard = False  # the writer deletes the segments once it is done
         self._writer = threading.Thread(target=self._write_forever, daemon=True, name="checkpoint")
         self._writer.start()
 
+    def decide(self, projected_s: float) -> None:
+        """Whether this prefill takes checkpoints, from the seconds the ranks agree it still
+        needs: a prefill that ends sooner is cheaper to redo after a crash than to insure."""
+        self.taking = projected_s >= self.after_s
+        taking = "checkpoints on" if self.taking else "no checkpoints"
+        log.info("job %s rank %d: prefill projected to need %.1fs more: %s", self.job_id,
+                 self.rank, projected_s, taking)  # fmt: skip
+
     def due(self, done_tokens: int) -> bool:
+        if not self.taking:
+            return False
         busy = self._writing or not self._queue.empty()
         if self.skip_while_busy and busy and not self._segment_full(done_tokens):
             return False
@@ -253,15 +269,24 @@ class Checkpointer:
         self.saved_offset = cache[0].offset if cache else 0
         self._queue.put(segment)
 
-    def close(self, drop_queued: bool = False) -> None:
-        """Wait for the writer: every segment handed to it written, or with `drop_queued` only
-        the one being written (the queued one is dropped: the chain is about to be deleted)."""
-        if drop_queued:
-            with contextlib.suppress(queue.Empty):
-                self._queue.get_nowait()
-                self._held.release()
+    def close(self) -> None:
+        """Wait for the writer: every segment handed to it written."""
         self._queue.put(None)
         self._writer.join()
+
+    def discard(self) -> None:
+        """Drop the chain without waiting: the queued segment is dropped, and the writer deletes
+        every segment once the one it is writing is done, so the job's end waits for no disk."""
+        with contextlib.suppress(queue.Empty):
+            self._queue.get_nowait()
+            self._held.release()
+        self._discard = True
+        self._queue.put(None)
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the writer to end (after `close` or `discard`); whether it has."""
+        self._writer.join(timeout_s)
+        return not self._writer.is_alive()
 
     def delete(self) -> None:
         """Remove this rank's segments (and a partial one)."""
@@ -272,7 +297,18 @@ class Checkpointer:
             self.report(0)
 
     def _write_forever(self) -> None:
+        self._write_all()
+        if self._discard:
+            self.delete()
+            for folder in (self.folder, checkpoint_dir(self.home, self.job_id)):
+                with contextlib.suppress(OSError):  # another rank's part may still be there
+                    folder.rmdir()
+
+    def _write_all(self) -> None:
         while (segment := self._queue.get()) is not None:
+            if self._discard:
+                self._held.release()
+                continue
             self._writing = True
             try:
                 self._write(segment)
@@ -329,16 +365,17 @@ def start_checkpoints(
     total_tokens: int,
     on_change: Callable[[int], None] | None = None,
     node: str | None = None,
+    after_s: float = 0.0,
 ) -> tuple[Checkpointer | None, Resume | None]:
     """What one rank's prefill needs: a Checkpointer (None when `every_tokens` is 0) and the
     checkpoint all ranks continue from: the furthest point every rank's segments reach on a
     boundary of this run's chunks (None: from the start). Call on every rank of the group.
-    `node` and `budget_bytes` as for Checkpointer."""
+    `node`, `budget_bytes` and `after_s` as for Checkpointer."""
     if every_tokens <= 0:
         return None, None
     saver = Checkpointer(
         home, job_id, layout, rank, every_tokens, budget_bytes, on_change, True, node,
-        max_segment_tokens=max_segment_tokens(every_tokens, chunk_tokens),
+        max_segment_tokens=max_segment_tokens(every_tokens, chunk_tokens), after_s=after_s,
     )  # fmt: skip
     reach = resumable_tokens(home, job_id, layout, rank, chunk_tokens, total_tokens, node)
     common = min(gather(reach))  # a rank's writer may have lagged one segment behind
@@ -360,16 +397,13 @@ def agree_on_resume(resume: Resume | None, gather: Callable[[int], list[int]]) -
 
 
 def end_checkpoints(saver: Checkpointer | None, keep: bool) -> None:
-    """After the prefill: wait for the writer, and delete this rank's segments unless `keep`
-    (the prefill failed and a retry may continue from them). A finished prefill waits only for
-    the segment being written: on an H100 a 128K prompt's writer still held a queued 2-4 GB
-    segment as the prefill ended, and the job's end waited 9 s for a file it then deleted
-    (docs/checkpoints.md)."""
+    """After the prefill: keep this rank's segments for a retry (`keep`: the prefill failed),
+    waiting for the writer; or drop them without waiting (finished, cancelled): on an H100 a
+    128K prompt's writer still held a queued 2-4 GB segment as the prefill ended, and a job's
+    end that waited for it waited 9 s for a file it then deleted."""
     if saver is None:
         return
-    saver.close(drop_queued=not keep)
-    if not keep:
-        saver.delete()
-        for folder in (saver.folder, checkpoint_dir(saver.home, saver.job_id)):
-            with contextlib.suppress(OSError):  # another rank's part may still be there
-                folder.rmdir()
+    if keep:
+        saver.close()
+    else:
+        saver.discard()

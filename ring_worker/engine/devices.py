@@ -6,8 +6,10 @@ hangs these machines), and an MLX memory limit below the card's free memory (MLX
 managed memory and would otherwise spill into host memory instead of failing)."""
 
 import functools
+import importlib.metadata
 import logging
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -81,18 +83,35 @@ def installed_gpus() -> tuple[str, ...]:
     return tuple(str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU "))
 
 
-def rank_device_environment(local_rank: int, backend: str = "auto") -> dict[str, str]:
+def rank_device_environment(
+    local_rank: int, backend: str = "auto", home: Path | None = None
+) -> dict[str, str]:
     """Environment for the `local_rank`-th rank started by this process: a GPU of its own while
     there are enough (a pinned node agent sees one), NCCL_NVLS_ENABLE=0, and nvidia-smi's device
-    order, so that CUDA's device i is the one whose memory nvidia-smi reports."""
+    order, so that CUDA's device i is the one whose memory nvidia-smi reports. With `home`
+    (RINGQ_HOME), the kernels MLX compiles (NVRTC) are kept there (`kernel_cache_dir`), unless
+    MLX_PTX_CACHE_DIR is set already."""
     gpus = visible_gpus() if node_backend(backend) == "cuda" else []
     if not gpus:
         return {}
-    return {
-        "CUDA_VISIBLE_DEVICES": gpus[local_rank % len(gpus)],
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "NCCL_NVLS_ENABLE": "0",
-    }
+    gpu = gpus[local_rank % len(gpus)]
+    env = {"CUDA_VISIBLE_DEVICES": gpu, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "NCCL_NVLS_ENABLE": "0"}
+    if home is not None and "MLX_PTX_CACHE_DIR" not in os.environ:
+        env["MLX_PTX_CACHE_DIR"] = str(kernel_cache_dir(home, gpu_name(gpu)))
+    return env
+
+
+def kernel_cache_dir(home: Path, gpu: str) -> Path:
+    """Where ranks keep MLX's compiled CUDA kernels: under RINGQ_HOME, one folder per MLX version
+    and GPU model, since MLX names its cached kernels by kernel and shape only. MLX's own default
+    is under the temp dir, which a reboot or a fresh container empties: every kernel was then
+    compiled again in the first jobs (35 s on a fresh H100 machine)."""
+    try:
+        mlx_version = importlib.metadata.version("mlx")
+    except importlib.metadata.PackageNotFoundError:
+        mlx_version = "unknown"
+    model = re.sub(r"[^A-Za-z0-9.]+", "-", gpu).strip("-") or "gpu"
+    return home / "kernels" / f"mlx-{mlx_version}" / model
 
 
 @functools.cache

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import mlx.core as mx
@@ -22,6 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from admission.model_shape import layer_parameters, prefill_flops
 from ring_worker.engine.checkpoint import Checkpointer, Resume
 from ring_worker.engine.pacing import LAYERS_IN_FLIGHT, block, paced_layers
 from ring_worker.engine.ring_attention import (
@@ -132,11 +134,14 @@ class Engine:
         start = self._start_position(cache)
         if on_progress:
             on_progress("prefill", ends[first - 1] if first else 0, total)
-        hidden = None
+        hidden, before = None, ends[first - 1] if first else 0
         with paced_layers(self.model, self.paced_layers):
-            for step in self._prefill_steps(chunks[first:], cache):
+            for index, step in enumerate(self._prefill_steps(chunks[first:], cache)):
                 if step.chunk is not None:
                     step = Step(step.chunk + first, step.last_hidden)
+                if checkpoints and index == 0:  # every rank, at its first step
+                    done = ends[step.chunk] if step.chunk is not None else None
+                    self._decide_checkpoints(checkpoints, started, before, done, total)
                 if step.last_hidden is not None:
                     hidden = step.last_hidden
                 if step.chunk is not None and on_progress:
@@ -169,6 +174,18 @@ class Engine:
             )
         self._begin_prefill(resume.state)
         return resume.tokens // chunk_tokens
+
+    def _decide_checkpoints(
+        self, checkpoints: Checkpointer, started: float, before: int, done: int | None, total: int
+    ) -> None:
+        """Whether this prefill takes checkpoints, agreed by every rank (one collective): the
+        seconds it still needs, projected from its first step by the prompt's FLOPs (a ring's
+        ranks each ran a share of the step; a pipeline's first stage ran it alone)."""
+        projected_s = 0.0
+        if done is not None and done < total:
+            cost = partial(model_prefill_flops, self.model.args)
+            projected_s = (time.perf_counter() - started) * cost(done, total) / cost(before, done)
+        checkpoints.decide(max(self.gather_ints(int(1e3 * projected_s))) / 1e3)
 
     def _checkpoint(self, checkpoints: Checkpointer, cache: list[Any], done: int) -> None:
         if checkpoints.due(done):
@@ -439,3 +456,19 @@ def logits_from_hidden(model: nn.Module, hidden: mx.array) -> mx.array:
     if model.args.tie_word_embeddings:
         return model.model.embed_tokens.as_linear(hidden)
     return model.lm_head(hidden)
+
+
+def model_prefill_flops(args: Any, start_tokens: int, end_tokens: int) -> float:
+    """admission's prefill FLOPs of prompt tokens [start, end) for an mlx-lm model's arguments
+    (Llama, Qwen); by tokens alone for a model that names its shape otherwise."""
+    try:
+        q_heads = args.num_attention_heads
+        head_dim = getattr(args, "head_dim", None) or args.hidden_size // q_heads
+        kv_heads = getattr(args, "num_key_value_heads", None) or q_heads
+        block = layer_parameters(
+            args.hidden_size, args.intermediate_size, q_heads, kv_heads, head_dim
+        )
+        layers = args.num_hidden_layers
+        return prefill_flops(layers * block, layers, args.hidden_size, start_tokens, end_tokens)
+    except AttributeError:
+        return float(end_tokens - start_tokens)

@@ -165,6 +165,7 @@ def checkpointed_prefill(
             len(tokens),
             on_change=partial(io.checkpointed, group, ctx.rank),
             node=group.nodes[ctx.rank],
+            after_s=ctx.settings.checkpoint_after_s,
         )
     try:
         prefill = engine.prefill(

@@ -212,6 +212,7 @@ class NodeAgent:
             threads=max(1, (os.cpu_count() or 1) // local_ranks),
             local_rank=local_rank,
             backend=backend,
+            home=self.settings.home,
         )
         if self.memory_limit_bytes:
             env["RINGQ_RANK_MEMORY_LIMIT_BYTES"] = str(self.memory_limit_bytes)

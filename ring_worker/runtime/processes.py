@@ -32,14 +32,19 @@ def find_openblas() -> str | None:
 
 
 def rank_environment(
-    blas: str = "auto", threads: int | None = None, local_rank: int = 0, backend: str = "auto"
+    blas: str = "auto",
+    threads: int | None = None,
+    local_rank: int = 0,
+    backend: str = "auto",
+    home: Path | None = None,
 ) -> dict[str, str]:
     """Environment for the `local_rank`-th rank process on this machine. CPU: MLX's Linux wheel
     links reference BLAS; preloading OpenBLAS makes fp32 matmul 25-35x faster (design.md),
-    `blas="off"` disables it. CUDA: one GPU per rank (ring_worker/engine/devices.py)."""
+    `blas="off"` disables it. CUDA: one GPU per rank, its compiled kernels kept under `home`
+    (ring_worker/engine/devices.py)."""
     env = dict(os.environ)
     backend = node_backend(backend)
-    env.update(rank_device_environment(local_rank, backend))
+    env.update(rank_device_environment(local_rank, backend, home))
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "openblas" not in p]
     wanted = blas != "off" and sys.platform.startswith("linux")
     openblas = find_openblas() if wanted and backend == "cpu" else None

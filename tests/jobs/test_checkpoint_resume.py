@@ -22,6 +22,7 @@ ENV = {
     "RINGQ_PREFIX_CACHE": "off",  # these prompts must be computed, not taken from a cache
     "RINGQ_PREFILL_CHUNK_TOKENS": "64",
     "RINGQ_CHECKPOINT_TOKENS": "256",
+    "RINGQ_CHECKPOINT_AFTER_S": "0",  # a short prefill checkpoints too
     "RINGQ_GROUP_IDLE_S": "0",
     "RINGQ_NODE_HEARTBEAT_S": "0.5",
     "RINGQ_NODE_TTL_S": "3",

@@ -20,6 +20,7 @@ from ring_worker.engine.checkpoint import (
     end_checkpoints,
     read_checkpoint,
     saved_tokens,
+    segment_chain,
     snapshot,
     start_checkpoints,
 )
@@ -28,6 +29,7 @@ from ring_worker.engine.group import free_loopback_ports
 from ring_worker.runtime.processes import rank_environment, spawn_rank, wait_all
 from tests.helpers import wait_for
 from tests.ring_worker.checkpoint_rank import run
+from tests.ring_worker.equivalence_rank import prompt_tokens
 from tests.ring_worker.tiny import load_tiny, save_tiny
 
 
@@ -162,6 +164,7 @@ def test_a_rank_deletes_its_part_when_its_prefill_is_done(short_tmp_path):
         saver.save(filled_cache(64), 64, {})
     end_checkpoints(savers[0], keep=True)
     end_checkpoints(savers[1], keep=False)
+    assert savers[1].join(30)
     assert [p.name for p in checkpoint_dir(short_tmp_path, "j").iterdir()] == [
         "ring-2-rank0-0-64.safetensors"
     ]
@@ -180,13 +183,15 @@ def test_a_rank_deletes_its_part_when_its_prefill_is_done(short_tmp_path):
     )
     assert resumed[1] is None  # rank 1's part is gone: both start from 0
     end_checkpoints(resumed[0], keep=False)
+    assert resumed[0] is not None and resumed[0].join(30)
     assert not checkpoint_dir(short_tmp_path, "j").exists()
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_a_finished_prefill_does_not_wait_to_write_a_queued_segment(short_tmp_path, keep):
-    """A finished prefill (keep=False) deletes its chain: the writer finishes the segment it is
-    writing, and the queued one is dropped unwritten. A failed one (keep=True) writes both."""
+def test_a_finished_prefill_waits_for_no_disk_write(short_tmp_path, keep):
+    """A finished prefill (keep=False) returns at once, while the writer still writes: the
+    queued segment is dropped unwritten, and the writer deletes the chain once it is done. A
+    failed one (keep=True) waits for both segments, for the retry."""
     writing, release = threading.Event(), threading.Event()
     written: list[int] = []
 
@@ -201,12 +206,29 @@ def test_a_finished_prefill_does_not_wait_to_write_a_queued_segment(short_tmp_pa
     assert writing.wait(30)
     grow(cache, 64)
     saver.save(cache, 128, {})  # queued behind it
-    threading.Timer(0.2, release.set).start()
+    if keep:
+        threading.Timer(0.2, release.set).start()
     end_checkpoints(saver, keep=keep)
+    assert keep or not release.is_set()  # returned while the writer was still held
+    release.set()
+    assert saver.join(30)
     assert written == ([64, 0] if not keep else [64, 128])
     names = sorted(p.name for p in saver.folder.glob("*")) if saver.folder.is_dir() else []
     want = ["single-1-rank0-0-64.safetensors", "single-1-rank0-64-128.safetensors"]
     assert names == ([] if not keep else want)
+
+
+@pytest.mark.parametrize(
+    ("after_s", "projected_s", "taken"), [(60, 59.9, False), (60, 60, True), (0, 0, True)]
+)
+def test_only_a_prefill_projected_past_the_line_takes_checkpoints(
+    short_tmp_path, after_s, projected_s, taken
+):
+    saver = Checkpointer(short_tmp_path, "j", "single-1", 0, 64, 1 << 30, after_s=after_s)
+    assert saver.due(64) is (after_s == 0)  # undecided: only a zero line takes them at once
+    saver.decide(projected_s)
+    assert saver.due(64) is taken
+    saver.close()
 
 
 def test_deleting_a_jobs_checkpoints_frees_their_bytes(short_tmp_path):
@@ -306,3 +328,16 @@ def test_a_snapshot_keeps_its_own_copy_not_the_cache_buffer():
     before = mx.get_active_memory()
     del cache, keys
     assert mx.get_active_memory() <= before - buffer_bytes * 0.9
+
+
+@pytest.mark.parametrize(("after_s", "taken"), [(3600.0, False), (1e-6, True)])
+def test_a_prefill_decides_after_its_first_chunk_whether_to_take_checkpoints(
+    tiny_dir, short_tmp_path, after_s, taken
+):
+    """The engine projects the seconds a prefill still needs from its first chunk (by the
+    prompt's FLOPs) and takes checkpoints only past RINGQ_CHECKPOINT_AFTER_S."""
+    saver = Checkpointer(short_tmp_path, "j", "single-1", 0, 64, 1 << 30, after_s=after_s)
+    Engine(load_tiny(tiny_dir)).prefill(prompt_tokens(512), 64, checkpoints=saver)
+    saver.close()
+    assert saver.taking is taken
+    assert bool(segment_chain(short_tmp_path, "j", "single-1", 0)) is taken

@@ -61,6 +61,7 @@ def test_a_rank_resumes_from_and_deletes_its_nodes_part(short_tmp_path, redis_co
     saver, resume = start(0, "node-0")
     assert resume is not None and resume.tokens == 64
     end_checkpoints(saver, keep=False)
+    assert saver is not None and saver.join(30)
     assert not (checkpoint_dir(short_tmp_path, "j") / "node-0").exists()
     elsewhere, none = start(0, "node-1")
     assert none is None  # rank 0's part was on node-0 only

@@ -1,8 +1,11 @@
 """Which GPU each node and rank gets, decided without MLX (pure functions of what a machine
 reports)."""
 
+from pathlib import Path
+
 import pytest
 
+from ring_worker.engine import devices
 from ring_worker.engine.devices import (
     LocalNode,
     local_nodes,
@@ -22,6 +25,18 @@ def test_cuda_visible_devices_is_split_one_per_rank(monkeypatch):
     }
     assert rank_device_environment(1, "cuda")["CUDA_VISIBLE_DEVICES"] == "3"
     assert rank_device_environment(2, "cuda")["CUDA_VISIBLE_DEVICES"] == "2"  # more ranks
+
+
+def test_a_ranks_compiled_kernels_are_kept_under_ringq_home(monkeypatch, tmp_path):
+    """One folder per MLX version and GPU model; a user's MLX_PTX_CACHE_DIR stands."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    monkeypatch.setattr(devices, "gpu_name", lambda index: "NVIDIA H100 80GB HBM3")
+    kept = Path(rank_device_environment(0, "cuda", tmp_path)["MLX_PTX_CACHE_DIR"])
+    assert kept.parent.parent == tmp_path / "kernels" and kept.name == "NVIDIA-H100-80GB-HBM3"
+    assert kept.parent.name.startswith("mlx-0.")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/elsewhere")
+    assert "MLX_PTX_CACHE_DIR" not in rank_device_environment(0, "cuda", tmp_path)
 
 
 @pytest.mark.parametrize("devices", ["", "-1"])
