@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The single-H200 runs of bench/results/h200-service/ (each part under 10 minutes):
 #   bash bench/gpu_run.sh service     # ringq up defaults: cold/warm, warm-up off
+#   bash bench/gpu_run.sh overheads   # defaults twice on one RINGQ_HOME (a second ringq up),
+#                                     # then checkpoints off: 32K and 128K, cold and warm
 #   bash bench/gpu_run.sh demo        # ringq demo on one GPU; rank start profile
 #   bash bench/gpu_run.sh calibrate   # GPU peak probe, admission calibration
 #   bash bench/gpu_run.sh pacing      # peak and speed, prefill paced or not
@@ -35,6 +37,16 @@ for part in "$@"; do
         --pp 32700,131000 --warm 1 --env RINGQ_WARM_UP=0 --out "$out/service-no-warmup.json" \
         --logs /tmp/logs/no-warmup
       tar czf "$out/logs-service.tgz" -C /tmp/logs .
+      ;;
+    overheads)
+      home=/tmp/ringq-overheads
+      for run in first second; do
+        python3 -m bench.gpu_service --model $model --pp 32700,131000 --warm 2 --home $home \
+          --out "$out/overheads-$run.json"
+      done
+      python3 -m bench.gpu_service --model $model --pp 32700,131000 --warm 2 --home $home \
+        --env RINGQ_CHECKPOINT_TOKENS=0 --out "$out/overheads-checkpoints-off.json"
+      du -sh $home/kernels 2>&1 | tee "$out/overheads-kernels.txt"
       ;;
     demo)
       python3 - > "$out/rank-start.txt" 2>&1 <<'PY'

@@ -8,7 +8,8 @@ finished, prefill tok/s and load time, cold (the first job of a fresh group) and
 Each prompt length gets a fresh `ringq up` (its first job is a cold group), then `--warm`
 more jobs on the same group. Each job's document is a different rotation of the text, so a
 warm job prefills its whole prompt (the same document would start from the kept prefix:
-bench.prefix_speedup measures that). `--env KEY=VALUE` runs a variant (e.g. RINGQ_WARM_UP=0).
+bench.prefix_speedup measures that). `--env KEY=VALUE` runs a variant (e.g. RINGQ_WARM_UP=0);
+`--home DIR` keeps one RINGQ_HOME over the runs (a second `ringq up` on the same machine).
 Times come from the job records (server-side clocks): created_at, prefill_started_at, and the
 finishing transition's updated_at.
 """
@@ -99,7 +100,7 @@ def wait_for_spare_ranks(logs: Path, nodes: list[str], env: dict[str, str]) -> N
 
 def run_length(args: argparse.Namespace, pp: int, env: dict[str, str]) -> list[dict[str, Any]]:
     """A fresh `ringq up`, one cold job and `args.warm` warm ones of `pp` tokens."""
-    home = Path(tempfile.mkdtemp(prefix="ringq-gpu-service-"))
+    home = args.home or Path(tempfile.mkdtemp(prefix="ringq-gpu-service-"))
     os.environ.update(env)
     rows = []
     try:
@@ -126,7 +127,8 @@ def run_length(args: argparse.Namespace, pp: int, env: dict[str, str]) -> list[d
         if args.logs is not None:  # the services' and ranks' logs, for the profile
             args.logs.mkdir(parents=True, exist_ok=True)
             shutil.copytree(home / "logs", args.logs / f"{pp}-{home.name}", dirs_exist_ok=True)
-        shutil.rmtree(home, ignore_errors=True)
+        if args.home is None:
+            shutil.rmtree(home, ignore_errors=True)
     return rows
 
 
@@ -141,6 +143,9 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--logs", type=Path, help="copy each run's service and rank logs here")
+    parser.add_argument(
+        "--home", type=Path, help="RINGQ_HOME kept between runs (its kernel cache); default: fresh"
+    )
     args = parser.parse_args()
     env = dict(item.split("=", 1) for item in args.env)
     rows = []
