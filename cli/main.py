@@ -72,7 +72,8 @@ class RingqGroup(click.Group):
         try:
             return super().invoke(ctx)
         except RingqError as exc:
-            raise click.ClickException(str(exc)) from None
+            reason = getattr(exc, "reason", "")  # what the operator may know, HTTP callers not
+            raise click.ClickException(f"{exc} ({reason})" if reason else str(exc)) from None
         except Exception as exc:
             message = known_error_message(exc)
             if message is None:

@@ -23,7 +23,7 @@ that when it admits each job.
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +33,14 @@ from pydantic import (
 
 from jobs.batch_lines import CHAT_COMPLETIONS_URL as CHAT_COMPLETIONS_URL  # re-exported
 from jobs.batch_lines import OpenAILine, PlainLine
-from jobs.errors import BatchInputError, RingqError, UnknownModelError
+from jobs.errors import BatchInputError, ForbiddenPathError, RingqError, UnknownModelError
 from jobs.files import allowed_path, printable_name, read_at_most
 from jobs.model_info import check_spec
 from jobs.schemas import JobKind, JobSpec, SkippedLine
 from jobs.settings import Settings, get_settings
 
 LISTED_ERRORS = 20  # an error message names this many bad lines, then counts the rest
+MODEL_LINE_END = "does not run here (see the hint)"  # how a line naming such a model ends
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class LineError:
     line_number: int
     message: str
     custom_id: str | None = None  # when the line names one
+    bad_model: str | None = None  # the model the line names, when that is what is wrong
 
     def skipped(self) -> SkippedLine:
         """As kept on the batch (JSON): text that is not valid Unicode is escaped."""
@@ -135,9 +137,10 @@ def parse_batch_lines(
     for number, line in _numbered(lines):
         try:
             item = _parse_line(number, line, base_dir, defaults)
-            check(item.spec)
+            item = replace(item, spec=check(item.spec))
         except (ValueError, RingqError) as exc:
-            errors.append(LineError(number, _one_line(exc), _custom_id_of(line)))
+            bad_model = exc.model if isinstance(exc, ModelNotRunError) else None
+            errors.append(LineError(number, _one_line(exc), _custom_id_of(line), bad_model))
             continue
         if item.custom_id in first_line:
             first = first_line[item.custom_id]
@@ -161,7 +164,7 @@ def model_hint(bad_models: dict[str, str], defaults: Defaults) -> str | None:
     return (
         f"lines name models that do not run here ({names}): {reason}; "
         f"`ringq batch submit --model {defaults.default_model}` runs every line on one model, "
-        "overriding the lines' models"
+        "overriding the lines' models, and RINGQ_MODEL_ALIASES maps names to served models"
     )
 
 
@@ -294,6 +297,13 @@ def _read_document(path: Path, defaults: Defaults) -> tuple[str, str]:
     max_bytes = defaults.max_document_bytes
     try:
         file = allowed_path(path, defaults.allowed_dirs, "document_path")
+    except (ForbiddenPathError, OSError, ValueError, RuntimeError) as exc:
+        if defaults.allowed_dirs is None:  # anywhere: the operator's own files (NUL, a loop)
+            raise ValueError(f"document_path {path}: {exc}") from None
+        raise ValueError(  # nothing on whether it exists or where it leads
+            f"document_path {path}: outside RINGQ_ALLOWED_DIRS, where documents are read from"
+        ) from None
+    try:
         data = read_at_most(file, max_bytes)
     except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a symlink loop
         raise ValueError(f"document_path {path}: {getattr(exc, 'strerror', None) or exc}") from None
@@ -307,6 +317,14 @@ def _read_document(path: Path, defaults: Defaults) -> tuple[str, str]:
         raise ValueError(f"document_path {path}: not UTF-8 text (byte {exc.start})") from None
 
 
+class ModelNotRunError(ValueError):
+    """A line names a model that does not run here; the reason is said once, in the hint."""
+
+    def __init__(self, model: str):
+        super().__init__(f"model {model!r} {MODEL_LINE_END}")
+        self.model = model
+
+
 class _SpecChecker:
     """check_spec for each line; a model is looked up once, and every line naming a model that
     does not run gets a short error (the reason is said once, in the batch's hint)."""
@@ -315,14 +333,14 @@ class _SpecChecker:
         self.settings = settings
         self.bad_models: dict[str, str] = {}
 
-    def __call__(self, spec: JobSpec) -> None:
+    def __call__(self, spec: JobSpec) -> JobSpec:
         if spec.model in self.bad_models:
-            raise ValueError(f"model {spec.model!r} does not run here (see the hint)")
+            raise ModelNotRunError(spec.model)
         try:
-            check_spec(spec, self.settings)
+            return check_spec(spec, self.settings)
         except UnknownModelError as exc:
             self.bad_models[spec.model] = _one_line(exc)
-            raise ValueError(f"model {spec.model!r} does not run here (see the hint)") from None
+            raise ModelNotRunError(spec.model) from None
 
 
 def _custom_id_of(line: str) -> str | None:

@@ -67,3 +67,18 @@ class JobNotFinishedError(RingqError):
     def __init__(self, message: str, record: object):
         super().__init__(message)
         self.record = record
+
+
+class ModelNotServedError(UnknownModelError):
+    """A model name that is neither built in nor a model inside RINGQ_ALLOWED_DIRS. Its message
+    says neither whether a path exists nor where it resolves (HTTP callers see it); `reason`
+    holds what was found, for the operator's log and the CLI."""
+
+    def __init__(self, model: str, reason: str = ""):
+        super().__init__(
+            f"model {model!r} is not served here: name a built-in model (smollm2, "
+            "random:<preset>), "
+            "a name mapped by RINGQ_MODEL_ALIASES, or a model inside RINGQ_ALLOWED_DIRS"
+        )
+        self.model = model
+        self.reason = reason

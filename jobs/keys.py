@@ -122,7 +122,15 @@ def file_meta(file_id: str) -> str:
 
 
 def file_content(file_id: str) -> str:
-    return f"{PREFIX}:file:{file_id}:content"  # the file's bytes, as uploaded or written
+    return f"{PREFIX}:file:{file_id}:content"  # no longer written: bytes live under RINGQ_HOME
+
+
+def tenant_jobs(tenant: str) -> str:
+    return f"{PREFIX}:tenant:{tenant}:jobs"  # sorted set: job id -> created_at, jobs it created
+
+
+def tenant_batches(tenant: str) -> str:
+    return f"{PREFIX}:tenant:{tenant}:batches"  # sorted set: batch id -> created_at
 
 
 def openai_batch(batch_id: str) -> str:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from jobs.errors import InvalidJobError, RingqError, UnknownModelError
+from jobs.errors import InvalidJobError, ModelNotServedError, RingqError, UnknownModelError
 from jobs.files import allowed_path
+from jobs.model_rule import is_built_in, served_model
 from jobs.schemas import JobKind, JobSpec
 from jobs.settings import Settings
 
@@ -57,13 +58,30 @@ def model_info(name: str, settings: Settings) -> ModelInfo:
     return info
 
 
-def check_spec(spec: JobSpec, settings: Settings) -> None:
+def served_model_info(name: str, settings: Settings) -> ModelInfo:
+    """ModelInfo of the model `name` runs as (jobs.model_rule.served_model). Where
+    RINGQ_ALLOWED_DIRS is set, a path that is no model ringq runs is refused as one outside it
+    (ModelNotServedError): the message does not tell a missing file from an unreadable one."""
+    target = served_model(name, settings)
+    try:
+        return model_info(target, settings)
+    except UnknownModelError as exc:
+        if is_built_in(target) or settings.allowed_dirs is None:
+            raise
+        raise ModelNotServedError(name, reason=str(exc)) from None
+
+
+def check_spec(spec: JobSpec, settings: Settings) -> JobSpec:
     """What submit checks without a tokenizer: the model runs here, and max_tokens leaves room
-    for the document in its context (the dispatcher checks the exact count again)."""
-    info = model_info(spec.model, settings)
+    for the document in its context (the dispatcher checks the exact count again). Returns
+    the spec with its model as it runs (an alias replaced by its target)."""
+    info = served_model_info(spec.model, settings)
+    if info.name != spec.model:
+        spec = spec.model_copy(update={"model": info.name})
     generated = spec.max_tokens if spec.kind == JobKind.GENERATE else 0
     lower_bound = prompt_tokens_lower_bound(spec.document, info)
     check_context(spec.model, info.context_length, lower_bound, generated, exact=False)
+    return spec
 
 
 def check_context(

@@ -1,12 +1,14 @@
 """All ringq settings in one object, read from RINGQ_* environment variables."""
 
+import json
+import os
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import platformdirs
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from admission.vocabulary import Device, Exchange, KVLayout
 
@@ -178,11 +180,63 @@ class Settings(BaseSettings):
         "(least recently used evicted first); unset: half of the disk space it could use (free "
         "space plus its own files) when a group opens the store.",
     )
-    allowed_dirs: list[Path] | None = Field(
+    admin_keys: str | None = Field(
         default=None,
-        description="Directories services may read models (and other files) from, as a JSON "
-        "list, e.g. '[\"/models\"]'; unset: any path the service user can read.",
+        description="Bearer keys of `ringq serve` that see every tenant's files, batches and "
+        "jobs (comma-separated); each RINGQ_API_KEYS key sees only what it created.",
     )
+    allowed_dirs: Annotated[list[Path] | None, NoDecode] = Field(
+        default=None,
+        description="Directories services may read models and batch documents from: a path "
+        "list ('/models:/data', ':' or the platform's separator) or a JSON list; unset: any "
+        "path the service user can read, and none for callers of `ringq serve`.",
+    )
+    model_aliases: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="Model names mapped to served models ('gpt-4o-mini=smollm2,gpt-4o=...' "
+        "or a JSON object), so OpenAI batch files run unchanged.",
+    )
+    max_request_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        gt=0,
+        description="Largest HTTP request body `ringq serve` reads (uploads apart), refused "
+        "with 413 while it streams in: twice RINGQ_MAX_DOCUMENT_BYTES leaves room for JSON "
+        "escapes.",
+    )
+    max_upload_bytes: int = Field(
+        default=200 * 1024 * 1024,
+        gt=0,
+        description="Largest file `POST /v1/files` takes (OpenAI's batch input limit), "
+        "refused with 413 while it streams in.",
+    )
+    max_json_depth: int = Field(
+        default=64, gt=0, le=400, description="Deepest JSON nesting a request body may have."
+    )
+
+    @field_validator("allowed_dirs", mode="before")
+    @classmethod
+    def _path_list(cls, value: Any) -> Any:
+        """A JSON list, or paths joined by ':' (os.pathsep); blanks are dropped."""
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part for part in text.replace(os.pathsep, ":").split(":") if part.strip()]
+
+    @field_validator("model_aliases", mode="before")
+    @classmethod
+    def _aliases(cls, value: Any) -> Any:
+        """A JSON object, or 'name=model' pairs joined by commas."""
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("{"):
+            return json.loads(text)
+        pairs = [pair.split("=", 1) for pair in text.split(",") if pair.strip()]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError("expected 'name=model' pairs joined by commas, or a JSON object")
+        return {name.strip(): model.strip() for name, model in pairs}
 
 
 # CPU: 8 rows decode 2.4x one at a time on a 2-core CPU (docs/batching.md); CUDA: 32 rows

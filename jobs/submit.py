@@ -41,7 +41,7 @@ def submit_job(
     except ValueError as exc:
         raise InvalidJobError(str(exc)) from None
     settings = settings or get_settings()  # a library entry point: scripts and tests call it
-    check_spec(spec, settings)  # an unknown model, too many max_tokens: the user's error, now
+    spec = check_spec(spec, settings)  # an unknown model, too many max_tokens: the user's error
     record = JobStore(conn, settings.job_ttl_s).create(job_id, spec)
     admit_queue(conn).enqueue_many([admit_data(job_id)])
     return record
@@ -74,8 +74,7 @@ def enqueue_jobs(
     Each job's record is written before its RQ job, so the dispatcher never finds an RQ job
     without its record. `settings` as for submit_job."""
     settings = settings or get_settings()
-    for _, spec in jobs:
-        check_spec(spec, settings)  # model metadata is cached (jobs/model_info.py)
+    jobs = [(job_id, check_spec(spec, settings)) for job_id, spec in jobs]  # metadata is cached
     store, queue = JobStore(conn, settings.job_ttl_s), admit_queue(conn)
     records: list[JobRecord] = []
     for start in range(0, len(jobs), chunk_jobs):

@@ -7,12 +7,20 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from cli.http import chat, dashboard, jobs_api, openai_batches, openai_files
-from cli.http.auth import key_middleware, origin_middleware
+from cli.http.auth import key_middleware, origin_middleware, parse_keys
 from cli.http.errors import install_handlers
+from cli.http.guards import BodyLimits, SecurityHeaders
 from jobs.settings import Settings
 
 
+def served_settings(settings: Settings) -> Settings:
+    """The settings requests are checked with: RINGQ_ALLOWED_DIRS unset means no directory, so
+    an HTTP caller names built-in models only (jobs/model_rule.py)."""
+    return settings.model_copy(update={"allowed_dirs": settings.allowed_dirs or []})
+
+
 def create_app(conn: redis.Redis, settings: Settings, api_keys: Sequence[str]) -> FastAPI:
+    """The app; `api_keys` are tenants, RINGQ_ADMIN_KEYS (in `settings`) see every tenant."""
     app = FastAPI(
         title="ringq",
         summary="OpenAI-compatible Files, Batches and Chat over ringq jobs, and its dashboard",
@@ -20,9 +28,14 @@ def create_app(conn: redis.Redis, settings: Settings, api_keys: Sequence[str]) -
         redoc_url=None,
     )
     app.state.conn = conn
-    app.state.settings = settings
-    app.middleware("http")(key_middleware(list(api_keys)))
-    app.middleware("http")(origin_middleware(list(api_keys)))  # added last: runs first
+    app.state.settings = served_settings(settings)
+    admin_keys = parse_keys(settings.admin_keys)
+    every_key = [*api_keys, *admin_keys]
+    limits = (settings.max_request_bytes, settings.max_upload_bytes, settings.max_json_depth)
+    app.add_middleware(BodyLimits, *limits)  # added first: runs last, once the key is checked
+    app.middleware("http")(key_middleware(list(api_keys), admin_keys))
+    app.middleware("http")(origin_middleware(every_key))
+    app.add_middleware(SecurityHeaders)  # added last: runs first, so every answer has them
     install_handlers(app)
     for module in (openai_files, openai_batches, chat, jobs_api, dashboard):
         app.include_router(module.router)

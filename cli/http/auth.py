@@ -17,6 +17,7 @@ from fastapi import Request, Response
 from starlette.responses import RedirectResponse
 
 from cli.http.errors import ApiError, error_response
+from cli.http.tenants import tenant_of
 
 KEY_COOKIE = "ringq_key"
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
@@ -46,11 +47,17 @@ def check_bind(host: str, keys: Sequence[str]) -> None:
 
 
 def key_matches(given: str | None, keys: Sequence[str]) -> bool:
+    return matching_key(given, keys) is not None
+
+
+def matching_key(given: str | None, keys: Sequence[str]) -> str | None:
+    """The key of `keys` that `given` is, compared with every key in constant time each."""
     if not given:
-        return False
-    found = False
-    for key in keys:  # compare with every key, in constant time each
-        found |= hmac.compare_digest(given.encode(), key.encode())
+        return None
+    found = None
+    for key in keys:
+        if hmac.compare_digest(given.encode(), key.encode()):
+            found = key
     return found
 
 
@@ -89,22 +96,32 @@ def _forbidden(message: str) -> Response:
     return error_response(ApiError(403, message, type_="permission_error", code="forbidden"))
 
 
-def key_middleware(keys: Sequence[str]) -> Callable[[Request, Handler], Awaitable[Response]]:
+def key_middleware(
+    keys: Sequence[str], admin_keys: Sequence[str] = ()
+) -> Callable[[Request, Handler], Awaitable[Response]]:
+    """Every request needs a key of `keys` (a tenant) or `admin_keys` (sees all tenants); the
+    caller's Tenant is left in request.state.tenant (cli/http/tenants.py)."""
+    every_key = [*keys, *admin_keys]
+
     async def check_key(request: Request, call_next: Handler) -> Response:
-        if not keys:
+        if not every_key:
             return await call_next(request)
         query_key = request.query_params.get("key")
-        if request.url.path == "/" and key_matches(query_key, keys):
+        if request.url.path == "/" and key_matches(query_key, every_key):
             response = RedirectResponse("/", status_code=303)  # the key leaves the address bar
             response.set_cookie(KEY_COOKIE, query_key or "", httponly=True, samesite="strict")
             return response
-        if key_matches(bearer(request), keys) or key_matches(request.cookies.get(KEY_COOKIE), keys):
+        key = matching_key(bearer(request), every_key) or matching_key(
+            request.cookies.get(KEY_COOKIE), every_key
+        )
+        if key is not None:
+            request.state.tenant = tenant_of(key, admin=key_matches(key, admin_keys))
             return await call_next(request)
         given = "an unknown key" if bearer(request) or query_key else "no key"
         error = ApiError(
             401,
             f"{given}: send 'Authorization: Bearer <key>' with one of RINGQ_API_KEYS "
-            "(the dashboard: open /?key=<key> once)",
+            "or RINGQ_ADMIN_KEYS (the dashboard: open /?key=<key> once)",
             type_="authentication_error",
             code="invalid_api_key",
         )

@@ -24,6 +24,7 @@ import redis
 from pydantic import BaseModel, ConfigDict
 
 from cli.http.file_store import FileStore
+from cli.http.tenants import Tenant
 from jobs import keys
 from jobs.batch import (
     BatchCounts,
@@ -34,6 +35,7 @@ from jobs.batch import (
     job_states,
 )
 from jobs.errors import JobNotFoundError
+from jobs.settings import Settings
 
 COMPLETION_WINDOW_S = 24 * 3600
 FINALIZE_LOCK_S = 120
@@ -69,6 +71,7 @@ class OpenAIBatchRecord(BaseModel):
     failed_at: int | None = None
     output_file_id: str | None = None
     error_file_id: str | None = None
+    owner: str | None = None  # the tenant that created it (cli/http/tenants.py)
 
 
 def save(conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int) -> None:
@@ -116,8 +119,11 @@ def load(conn: redis.Redis, batch_id: str) -> OpenAIBatchRecord:
     return OpenAIBatchRecord.model_validate_json(raw)
 
 
-def batch_object(conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int) -> dict[str, Any]:
+def batch_object(
+    conn: redis.Redis, record: OpenAIBatchRecord, settings: Settings
+) -> dict[str, Any]:
     """OpenAI's batch object for `record`, finishing the batch first if its jobs all ended."""
+    ttl_s = settings.job_ttl_s
     counts = None
     if record.stored == "validating":
         record = _recover_validation(conn, record, ttl_s)
@@ -125,7 +131,7 @@ def batch_object(conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int) -> di
     if record.stored == "in_progress":
         counts = batch_counts(conn, get_batch(conn, record.id))
         if counts.is_done:
-            record = finalize(conn, record, ttl_s)
+            record = finalize(conn, record, settings)
         status = record.stored
         if status == "in_progress":
             status = _live_status(conn, record, counts)
@@ -136,9 +142,10 @@ def batch_object(conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int) -> di
     return _object(record, status, counts)
 
 
-def finalize(conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int) -> OpenAIBatchRecord:
-    """Write the output and error files and mark the batch completed (or cancelled); returns
-    the record unchanged while another request is doing it."""
+def finalize(conn: redis.Redis, record: OpenAIBatchRecord, settings: Settings) -> OpenAIBatchRecord:
+    """Write the output and error files (the batch's tenant's) and mark the batch completed (or
+    cancelled); returns the record unchanged while another request is doing it."""
+    ttl_s = settings.job_ttl_s
     lock = keys.openai_batch_finalizing(record.id)
     if not conn.set(lock, str(time.time()), nx=True, ex=FINALIZE_LOCK_S):
         return record
@@ -150,15 +157,15 @@ def finalize(conn: redis.Redis, record: OpenAIBatchRecord, ttl_s: int) -> OpenAI
         found = batch_results(conn, record.id)
         if found.pending:  # not all final after all (counted before a job was written)
             return record
-        files = FileStore(conn, ttl_s)
+        files, owner = FileStore(conn, settings), Tenant(record.owner, admin=False)
         update: dict[str, Any] = {"finalizing_at": now}
         if found.outputs:
             update["output_file_id"] = files.put(
-                f"{record.id}_output.jsonl", "batch_output", _jsonl(found.outputs)
+                f"{record.id}_output.jsonl", "batch_output", _jsonl(found.outputs), owner
             ).id
         if found.errors:
             update["error_file_id"] = files.put(
-                f"{record.id}_error.jsonl", "batch_output", _jsonl(found.errors)
+                f"{record.id}_error.jsonl", "batch_output", _jsonl(found.errors), owner
             ).id
 
         def finish(current: OpenAIBatchRecord) -> dict[str, Any] | None:
@@ -235,7 +242,7 @@ def _counts_if_kept(conn: redis.Redis, batch_id: str) -> BatchCounts | None:
 
 
 def _object(record: OpenAIBatchRecord, status: str, counts: BatchCounts | None) -> dict[str, Any]:
-    fields = record.model_dump(mode="json", exclude={"stored", "errors"})
+    fields = record.model_dump(mode="json", exclude={"stored", "errors", "owner"})
     errors = [e.model_dump(mode="json") for e in record.errors]
     return {
         **fields,

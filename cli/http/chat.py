@@ -19,9 +19,10 @@ from cli.http.chat_result import cancel_quietly, completion, raise_unless_finish
 from cli.http.chat_stream import stream_completion
 from cli.http.deps import Config, Conn
 from cli.http.errors import ApiError, error_body
-from cli.http.job_views import JobView, check_served_model, read_view, served_models
+from cli.http.job_views import JobView, read_view, served_models
+from cli.http.tenants import Caller, Tenant, own_jobs
 from jobs.batch_input import CHAT_COMPLETIONS_URL, Defaults, parse_batch_lines
-from jobs.model_catalog import resolve_model
+from jobs.model_info import served_model_info
 from jobs.schemas import BatchEntry
 from jobs.settings import Settings
 from jobs.submit import submit_job
@@ -38,17 +39,16 @@ def list_models() -> dict[str, Any]:
 
 @router.get("/models/{model_id:path}")
 def retrieve_model(model_id: str, settings: Config) -> dict[str, Any]:
-    check_served_model(model_id, settings)
-    resolve_model(model_id, allowed_dirs=settings.allowed_dirs)
+    served_model_info(model_id, settings)  # the one model rule (jobs/model_rule.py)
     return _model(model_id)
 
 
 @router.post("/chat/completions")
-async def chat_completions(request: Request, conn: Conn, settings: Config) -> Any:
+async def chat_completions(request: Request, conn: Conn, settings: Config, tenant: Caller) -> Any:
     body = await _json_object(request)
     stream = bool(body.pop("stream", False))
     options = body.pop("stream_options", None) or {}
-    entry = await run_in_threadpool(_submit, conn, settings, body)
+    entry = await run_in_threadpool(_submit, conn, settings, tenant, body)
     if stream:
         events = stream_completion(conn, entry, bool(options.get("include_usage")))
         return StreamingResponse(events, media_type="text/event-stream", headers=_job_header(entry))
@@ -59,23 +59,31 @@ async def chat_completions(request: Request, conn: Conn, settings: Config) -> An
     return JSONResponse(completion(entry, view), headers=_job_header(entry))
 
 
-def _submit(conn: Conn, settings: Settings, body: dict[str, Any]) -> BatchEntry:
-    """The request as a batch line, checked the same way; its job enqueued."""
+def _submit(conn: Conn, settings: Settings, tenant: Tenant, body: dict[str, Any]) -> BatchEntry:
+    """The request as a batch line, checked the same way; its job enqueued, the tenant's."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required: a ringq model name", param="model")
-    check_served_model(model, settings)
-    resolve_model(model, allowed_dirs=settings.allowed_dirs)  # unknown: a 404, as OpenAI says
+    served_model_info(model, settings)  # not served: a 404, as OpenAI says
     line = {"custom_id": "chat", "method": "POST", "url": CHAT_COMPLETIONS_URL, "body": body}
-    defaults = Defaults(
-        None, settings.default_model, DEFAULT_MAX_TOKENS, settings.max_document_bytes
-    )
-    parsed = parse_batch_lines([json.dumps(line)], Path("."), "chat", defaults)
+    defaults = Defaults.of(settings, None, DEFAULT_MAX_TOKENS)
+    parsed = parse_batch_lines([json.dumps(line)], Path("."), "chat", defaults, settings)
     if parsed.errors:
-        raise ApiError(400, parsed.errors[0].message, param="messages", code="invalid_value")
+        message = parsed.errors[0].message
+        raise ApiError(400, message, param=param_of(message), code="invalid_value")
     spec = parsed.items[0].spec.model_copy(update={"custom_id": None, "document_name": "chat"})
-    record = submit_job(conn, spec)
+    record = submit_job(conn, spec, settings=settings)
+    own_jobs(conn, tenant, [record.id], settings.job_ttl_s)
     return BatchEntry(custom_id="chat", job_id=record.id, model=model, max_tokens=spec.max_tokens)
+
+
+def param_of(message: str) -> str:
+    """The request field a line error names ('body.max_tokens: ...' -> 'max_tokens');
+    'messages' for what the messages make (the document, the question)."""
+    where, colon, _ = message.partition(":")
+    if not colon or " " in where:
+        return "messages"
+    return where.removeprefix("body.").split(".")[0] or "messages"
 
 
 async def _json_object(request: Request) -> dict[str, Any]:

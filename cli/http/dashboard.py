@@ -17,12 +17,14 @@ from fastapi.responses import FileResponse
 from cli.http.batch_objects import batch_object
 from cli.http.batch_objects import load as load_openai_batch
 from cli.http.deps import Config, Conn
+from cli.http.tenants import Caller, Tenant, check_batch, check_job, visible_batch_ids
 from jobs import keys
 from jobs.batch import batch_counts, get_batch
 from jobs.errors import JobNotFoundError
 from jobs.listing import list_batches
 from jobs.overview import queue_rows, reserved_per_node
 from jobs.schemas import GroupSpec, TrackedGroup
+from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.warm_groups import WarmGroups
 
@@ -37,39 +39,47 @@ def page(job_id: str | None = None) -> FileResponse:
 
 
 @router.get("/api/overview")
-def overview(conn: Conn) -> dict[str, Any]:
+def overview(conn: Conn, tenant: Caller) -> dict[str, Any]:
+    """Nodes and queues are everyone's; a tenant sees the groups running its own jobs."""
     nodes = JobStore(conn).live_nodes()
     reserved = reserved_per_node(conn, [n.name for n in nodes])
     idle = WarmGroups(conn).idle_groups()
     idle_ids = {warm.group.group_id for warm in idle}
+    running = [g for g in running_groups(conn) if g["group_id"] not in idle_ids]
+    warm = [
+        {**_group_json(w.group), "bytes_per_node": w.bytes_per_node, "state": "warm"} for w in idle
+    ]
     return {
         "nodes": [{**n.model_dump(mode="json"), "reserved_bytes": reserved[n.name]} for n in nodes],
-        "running_groups": [g for g in running_groups(conn) if g["group_id"] not in idle_ids],
-        "warm_groups": [
-            {**_group_json(w.group), "bytes_per_node": w.bytes_per_node, "state": "warm"}
-            for w in idle
-        ],
+        "running_groups": _own_groups(conn, tenant, running),
+        "warm_groups": _own_groups(conn, tenant, warm),
         "queues": [q.model_dump(mode="json") for q in queue_rows(conn)],
     }
 
 
 @router.get("/api/batches")
 def batches(
-    conn: Conn, settings: Config, limit: Annotated[int, Query(ge=1, le=1000)] = 20
+    conn: Conn, settings: Config, tenant: Caller, limit: Annotated[int, Query(ge=1, le=1000)] = 20
 ) -> dict[str, Any]:
-    rows = [batch_json(conn, row.id, settings.job_ttl_s) for row in list_batches(conn, limit)]
+    if tenant.admin:
+        ids = [row.id for row in list_batches(conn, limit)]
+    else:
+        ids = visible_batch_ids(conn, tenant, [_text(i) for i in conn.zrevrange(
+            keys.tenant_batches(tenant.id or ""), 0, limit - 1)])  # fmt: skip
+    rows = [batch_json(conn, batch_id, settings) for batch_id in ids]
     return {"object": "list", "data": [row for row in rows if row is not None]}
 
 
 @router.get("/api/batches/{batch_id}")
-def batch(batch_id: str, conn: Conn, settings: Config) -> dict[str, Any]:
-    found = batch_json(conn, batch_id, settings.job_ttl_s)
+def batch(batch_id: str, conn: Conn, settings: Config, tenant: Caller) -> dict[str, Any]:
+    check_batch(conn, tenant, batch_id)
+    found = batch_json(conn, batch_id, settings)
     if found is None:
         raise JobNotFoundError(f"no batch {batch_id!r} (it never existed or its record expired)")
     return found
 
 
-def batch_json(conn: redis.Redis, batch_id: str, ttl_s: int) -> dict[str, Any] | None:
+def batch_json(conn: redis.Redis, batch_id: str, settings: Settings) -> dict[str, Any] | None:
     """A ringq batch with its counts, and its OpenAI status when it came through /v1/batches."""
     try:
         record = get_batch(conn, batch_id)
@@ -77,7 +87,7 @@ def batch_json(conn: redis.Redis, batch_id: str, ttl_s: int) -> dict[str, Any] |
         return None
     counts = batch_counts(conn, record)
     try:
-        openai_status = batch_object(conn, load_openai_batch(conn, batch_id), ttl_s)["status"]
+        openai_status = batch_object(conn, load_openai_batch(conn, batch_id), settings)["status"]
     except JobNotFoundError:
         openai_status = None
     return {
@@ -87,6 +97,25 @@ def batch_json(conn: redis.Redis, batch_id: str, ttl_s: int) -> dict[str, Any] |
         "counts": {**vars(counts), "done": counts.done},
         "openai_status": openai_status,
     }
+
+
+def _own_groups(
+    conn: redis.Redis, tenant: Tenant, groups: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    if tenant.admin:
+        return groups
+    owned = []
+    for group in groups:
+        try:
+            check_job(conn, tenant, group["job_id"])
+        except JobNotFoundError:
+            continue
+        owned.append(group)
+    return owned
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def running_groups(conn: redis.Redis) -> list[dict[str, Any]]:

@@ -115,7 +115,10 @@ def install_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = _HTTP_TYPES.get(exc.status_code, "invalid_request_error")
         message = str(exc.detail) if exc.status_code != 404 else f"no route {request.url.path}"
-        return error_response(ApiError(exc.status_code, message, type_=type_), exc.headers)
+        code = "request_too_large" if exc.status_code == 413 else None
+        return error_response(
+            ApiError(exc.status_code, message, type_=type_, code=code), exc.headers
+        )
 
     @app.exception_handler(redis.ConnectionError)
     async def _redis(request: Request, exc: redis.ConnectionError) -> JSONResponse:
@@ -127,5 +130,5 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
-        message = f"internal error: {type(exc).__name__}: {exc}"
+        message = "internal error (the server's log has its details)"  # no paths, no stack
         return error_response(ApiError(500, message, type_="server_error", code="internal_error"))

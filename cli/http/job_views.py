@@ -8,12 +8,11 @@ from typing import Any
 import redis
 
 from jobs import keys
-from jobs.errors import JobNotFoundError, UnknownModelError
+from jobs.errors import JobNotFoundError
 from jobs.listing import eta_s
 from jobs.model_catalog import PACKAGED_MODELS
-from jobs.random_models import PREFIX, PRESETS, is_random
+from jobs.random_models import PREFIX, PRESETS
 from jobs.schemas import JobHeader, JobRecord, JobResult, Progress, header_fields
-from jobs.settings import Settings
 
 VIEW_FIELDS = (*header_fields(JobHeader), "result")
 
@@ -59,17 +58,6 @@ def spec_json(record: JobRecord) -> dict[str, Any]:
     """The spec without its document (its size and name instead)."""
     spec = record.spec.model_dump(mode="json", exclude={"document"})
     return {**spec, "document_chars": len(record.spec.document)}
-
-
-def check_served_model(model: str, settings: Settings) -> None:
-    """Callers of the API name built-in models (smollm2, random:...); a path on the server only
-    inside RINGQ_ALLOWED_DIRS, and only when that is set."""
-    if model in PACKAGED_MODELS or is_random(model) or settings.allowed_dirs is not None:
-        return
-    raise UnknownModelError(
-        f"model {model!r} is not one of ringq's built-in models ({', '.join(served_models())}); "
-        "model paths on the server are served only when RINGQ_ALLOWED_DIRS is set"
-    )
 
 
 def served_models() -> list[str]:

@@ -19,7 +19,8 @@ from starlette.concurrency import run_in_threadpool
 
 from cli.http.deps import Config, Conn
 from cli.http.errors import ApiError
-from cli.http.job_views import JobView, check_served_model, read_view, spec_json
+from cli.http.job_views import JobView, read_view, spec_json
+from cli.http.tenants import Caller, check_batch, check_job, own_jobs, tenant_jobs
 from jobs import keys
 from jobs.cancel import cancel_job
 from jobs.job_text import TextFollower, read_text
@@ -35,31 +36,38 @@ KEEPALIVE_S = 10.0
 
 
 @router.post("", status_code=201)
-def submit(body: dict[str, Any], conn: Conn, settings: Config) -> dict[str, Any]:
+def submit(body: dict[str, Any], conn: Conn, settings: Config, tenant: Caller) -> dict[str, Any]:
     job_id = body.pop("id", None)
     if job_id is not None and not isinstance(job_id, str):
         raise ApiError(400, "id must be a string", param="id")
     body.setdefault("model", settings.default_model)
     spec = JobSpec.model_validate(body)
-    check_served_model(spec.model, settings)
-    record = submit_job(conn, spec, job_id)
+    record = submit_job(conn, spec, job_id, settings)  # the one model rule, in check_spec
+    own_jobs(conn, tenant, [record.id], settings.job_ttl_s)
     return view_json(read_view(conn, record.id))
 
 
 @router.get("")
 def list_(
     conn: Conn,
+    tenant: Caller,
     state: JobState | None = None,
     batch: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
 ) -> dict[str, Any]:
-    rows = list_jobs(conn, state=state, batch_id=batch, limit=limit)
+    if batch is not None:
+        check_batch(conn, tenant, batch)
+    if tenant.id is not None and not tenant.admin and batch is None:
+        rows = tenant_jobs(conn, tenant.id, state, limit)
+    else:
+        rows = list_jobs(conn, state=state, batch_id=batch, limit=limit)
     data = [{**row.model_dump(mode="json"), "eta_s": eta_s(row.progress)} for row in rows]
     return {"object": "list", "data": data}
 
 
 @router.get("/{job_id}")
-def status(job_id: str, conn: Conn) -> dict[str, Any]:
+def status(job_id: str, conn: Conn, tenant: Caller) -> dict[str, Any]:
+    check_job(conn, tenant, job_id)
     record = JobStore(conn).get(job_id)
     view = read_view(conn, job_id)
     return {
@@ -71,13 +79,15 @@ def status(job_id: str, conn: Conn) -> dict[str, Any]:
 
 
 @router.post("/{job_id}/cancel")
-def cancel(job_id: str, conn: Conn) -> dict[str, Any]:
+def cancel(job_id: str, conn: Conn, tenant: Caller) -> dict[str, Any]:
+    check_job(conn, tenant, job_id)
     cancel_job(JobStore(conn), job_id)
     return view_json(read_view(conn, job_id))
 
 
 @router.get("/{job_id}/events")
-async def events(job_id: str, request: Request, conn: Conn) -> StreamingResponse:
+async def events(job_id: str, request: Request, conn: Conn, tenant: Caller) -> StreamingResponse:
+    await run_in_threadpool(check_job, conn, tenant, job_id)
     first = await run_in_threadpool(read_view, conn, job_id)  # a 404 before the stream starts
     return StreamingResponse(
         progress_events(conn, first),

@@ -3,7 +3,9 @@
 Create answers at once with status "validating"; the input is checked and its jobs enqueued in
 the background (resolving a GGUF model takes seconds). Every line must be valid, as with OpenAI:
 one bad line fails the batch, and `errors` names the lines. OpenAI model names ("gpt-4o-mini")
-do not run here: `metadata={"model": "smollm2"}` runs every line on a ringq model."""
+run where RINGQ_MODEL_ALIASES maps them, or with `metadata={"model": "smollm2"}`, which runs
+every line on that model; otherwise one error says so for the whole batch. A batch belongs to
+the tenant that created it (cli/http/tenants.py)."""
 
 import logging
 import time
@@ -27,18 +29,26 @@ from cli.http.deps import Config, Conn
 from cli.http.errors import ApiError
 from cli.http.file_store import FileStore
 from cli.http.openai_files import page
+from cli.http.tenants import Caller, Tenant, own_batch, own_jobs, visible_batch_ids
 from jobs import keys
 from jobs.batch import new_batch_id, submit_batch
-from jobs.batch_input import CHAT_COMPLETIONS_URL, Defaults, ParsedBatch, parse_batch_lines
-from jobs.errors import RingqError
+from jobs.batch_input import (
+    CHAT_COMPLETIONS_URL,
+    LISTED_ERRORS,
+    Defaults,
+    ParsedBatch,
+    parse_batch_lines,
+)
+from jobs.errors import JobNotFoundError, RingqError
 from jobs.settings import Settings
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches")
 DEFAULT_MAX_TOKENS = 256  # for lines that give none, as `ringq batch submit`
-MODEL_HINT = (
-    "; name a ringq model in the lines, or create the batch with metadata={'model': "
-    "'smollm2'} (any ringq model) to run every line on it"
+MODEL_ERROR = (
+    "line(s) {lines} name models that are not served here ({names}): create the batch with "
+    "metadata={{'model': 'smollm2'}} to run every line on one served model, or ask the operator "
+    "to map the names with RINGQ_MODEL_ALIASES (e.g. gpt-4o-mini=smollm2)"
 )
 
 
@@ -54,7 +64,7 @@ class CreateBatch(BaseModel):
 
 @router.post("")
 def create(
-    body: CreateBatch, conn: Conn, settings: Config, background: BackgroundTasks
+    body: CreateBatch, conn: Conn, settings: Config, tenant: Caller, background: BackgroundTasks
 ) -> dict[str, Any]:
     if body.endpoint != CHAT_COMPLETIONS_URL:
         raise ApiError(
@@ -68,7 +78,7 @@ def create(
         raise ApiError(
             400, "completion_window must be '24h'", param="completion_window", code="invalid_value"
         )
-    input_file = FileStore(conn, settings.job_ttl_s).get(body.input_file_id)
+    input_file = FileStore(conn, settings).get(body.input_file_id, tenant)
     if input_file.purpose != "batch":
         raise ApiError(
             400,
@@ -82,26 +92,30 @@ def create(
         completion_window=body.completion_window,
         created_at=int(time.time()),
         metadata=body.metadata,
+        owner=tenant.id,
     )
     save(conn, record, settings.job_ttl_s)
+    own_batch(conn, tenant, record.id, settings.job_ttl_s)
     background.add_task(validate_and_enqueue, conn, settings, record)
-    return batch_object(conn, record, settings.job_ttl_s)
+    return batch_object(conn, record, settings)
 
 
 @router.get("")
 def list_batches(
     conn: Conn,
     settings: Config,
+    tenant: Caller,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: str | None = None,
 ) -> dict[str, Any]:
     ids = [_text(i) for i in conn.zrange(keys.OPENAI_BATCHES_INDEX, 0, -1, desc=True)]
+    ids = visible_batch_ids(conn, tenant, ids)
     if after is not None and after in ids:
         ids = ids[ids.index(after) + 1 :]
     found: list[dict[str, Any]] = []
     for batch_id in ids:
         try:
-            found.append(batch_object(conn, load(conn, batch_id), settings.job_ttl_s))
+            found.append(batch_object(conn, load(conn, batch_id), settings))
         except RingqError:  # expired meanwhile
             conn.zrem(keys.OPENAI_BATCHES_INDEX, batch_id)
         if len(found) > limit:
@@ -110,12 +124,13 @@ def list_batches(
 
 
 @router.get("/{batch_id}")
-def retrieve(batch_id: str, conn: Conn, settings: Config) -> dict[str, Any]:
-    return batch_object(conn, load(conn, batch_id), settings.job_ttl_s)
+def retrieve(batch_id: str, conn: Conn, settings: Config, tenant: Caller) -> dict[str, Any]:
+    return batch_object(conn, load_for(conn, tenant, batch_id), settings)
 
 
 @router.post("/{batch_id}/cancel")
-def cancel(batch_id: str, conn: Conn, settings: Config) -> dict[str, Any]:
+def cancel(batch_id: str, conn: Conn, settings: Config, tenant: Caller) -> dict[str, Any]:
+    load_for(conn, tenant, batch_id)
     now = int(time.time())
 
     def ask(record: OpenAIBatchRecord) -> dict[str, Any] | None:
@@ -131,7 +146,15 @@ def cancel(batch_id: str, conn: Conn, settings: Config) -> dict[str, Any]:
             code="batch_not_cancellable",
         )
     cancel_if_asked(conn, record)  # while validating, whoever moves it on cancels its jobs
-    return batch_object(conn, record, settings.job_ttl_s)
+    return batch_object(conn, record, settings)
+
+
+def load_for(conn: redis.Redis, tenant: Tenant, batch_id: str) -> OpenAIBatchRecord:
+    """The batch's record, if the tenant may see it; else as if there were none."""
+    record = load(conn, batch_id)
+    if not tenant.sees(record.owner):
+        raise JobNotFoundError(f"no batch {batch_id!r} (it never existed or its record expired)")
+    return record
 
 
 def validate_and_enqueue(conn: redis.Redis, settings: Settings, record: OpenAIBatchRecord) -> None:
@@ -163,7 +186,7 @@ def validate_and_enqueue(conn: redis.Redis, settings: Settings, record: OpenAIBa
 def _enqueue(
     conn: redis.Redis, settings: Settings, record: OpenAIBatchRecord
 ) -> list[LineErrorObject]:
-    files = FileStore(conn, settings.job_ttl_s)
+    files = FileStore(conn, settings)
     name = files.get(record.input_file_id).filename
     try:
         text = files.content(record.input_file_id).decode("utf-8-sig")
@@ -178,29 +201,37 @@ def _enqueue(
         settings.max_document_bytes,
         settings.allowed_dirs or [],  # no server file may be named by a remote caller
     )
-    parsed = parse_batch_lines(text.splitlines(), Path("."), name, defaults)
+    parsed = parse_batch_lines(text.splitlines(), Path("."), name, defaults, settings)
     if parsed.errors:
-        return _line_errors(parsed, hint_model=model is None)
+        return _line_errors(parsed)
     if not parsed.items:
         return [LineErrorObject(code="empty_file", message=f"{name}: no requests")]
     if load(conn, record.id).cancelling_at is None:
-        submit_batch(conn, parsed.items, name, batch_id=record.id)
+        owner = Tenant(record.owner, admin=False)
+        batch = submit_batch(conn, parsed.items, name, batch_id=record.id, settings=settings)
+        own_jobs(conn, owner, [entry.job_id for entry in batch.entries], settings.job_ttl_s)
     return []
 
 
-def _line_errors(parsed: ParsedBatch, hint_model: bool) -> list[LineErrorObject]:
-    """One error object a bad line; the hint about models that do not run here once, on the
-    first line naming one."""
+def _line_errors(parsed: ParsedBatch) -> list[LineErrorObject]:
+    """One error object a bad line, and one for all the lines naming models that are not
+    served here (an OpenAI file's "gpt-4o-mini" on every line), naming what fixes it."""
+    model_errors = [e for e in parsed.errors if e.bad_model is not None]
     found = [
         LineErrorObject(code="invalid_request", message=e.message, line=e.line_number)
         for e in parsed.errors
+        if e not in model_errors
     ]
-    model_lines = [i for i, e in enumerate(parsed.errors) if "does not run here" in e.message]
-    if parsed.hint and model_lines:
-        reason = parsed.hint.split("; `ringq batch submit")[0]
-        hint = f". Hint: {reason}" + (MODEL_HINT if hint_model else "")
-        first = found[model_lines[0]]
-        found[model_lines[0]] = first.model_copy(update={"message": first.message + hint})
+    if model_errors:
+        names = ", ".join(sorted({repr(e.bad_model) for e in model_errors}))
+        lines = ", ".join(str(e.line_number) for e in model_errors[:LISTED_ERRORS])
+        more = (
+            f" and {len(model_errors) - LISTED_ERRORS} more"
+            if len(model_errors) > LISTED_ERRORS
+            else ""
+        )
+        message = MODEL_ERROR.format(lines=lines + more, names=names)
+        found.insert(0, LineErrorObject(code="model_not_found", message=message, param="model"))
     return found
 
 

@@ -4,24 +4,29 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Form, Query, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
 
 from cli.http.deps import Config, Conn
 from cli.http.errors import ApiError
-from cli.http.file_store import MAX_UPLOAD_BYTES, FileObject, FileStore
+from cli.http.file_store import FileObject, FileStore
+from cli.http.tenants import Caller
+from jobs.errors import InvalidJobError
 from jobs.files import printable_name
 
 router = APIRouter(prefix="/v1/files")
 
 
 def file_store(conn: Conn, settings: Config) -> FileStore:
-    return FileStore(conn, settings.job_ttl_s)
+    return FileStore(conn, settings)
 
 
 @router.post("")
 async def upload(
-    conn: Conn, settings: Config, file: UploadFile, purpose: Annotated[str, Form()]
+    conn: Conn, settings: Config, tenant: Caller, file: UploadFile, purpose: Annotated[str, Form()]
 ) -> FileObject:
+    """The upload arrives spooled by the multipart parser (bounded by RINGQ_MAX_UPLOAD_BYTES
+    in cli/http/guards.py) and is copied to disk in chunks: never whole in memory."""
     if purpose != "batch":
         raise ApiError(
             400,
@@ -30,44 +35,43 @@ async def upload(
             param="purpose",
             code="invalid_value",
         )
-    content = await file.read(MAX_UPLOAD_BYTES + 1)
-    if len(content) > MAX_UPLOAD_BYTES:
-        raise ApiError(413, f"the file is over the limit of {MAX_UPLOAD_BYTES} bytes", param="file")
-    if not content.strip():
-        raise ApiError(
-            400, "the file is empty: a batch file holds one request a line", param="file"
-        )
     name = printable_name(Path(file.filename or "upload.jsonl"))
-    return file_store(conn, settings).put(name, "batch", content)
+    store = file_store(conn, settings)
+    try:
+        return await run_in_threadpool(store.put_stream, name, "batch", file.file, tenant)
+    except InvalidJobError as exc:
+        raise ApiError(400, str(exc), param="file") from None
 
 
 @router.get("")
 def list_files(
     conn: Conn,
     settings: Config,
+    tenant: Caller,
     purpose: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
     after: str | None = None,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
 ) -> dict[str, Any]:
-    files, has_more = file_store(conn, settings).list(purpose, limit, after, order == "desc")
+    store = file_store(conn, settings)
+    files, has_more = store.list(tenant, purpose, limit, after, order == "desc")
     return page(files, has_more)
 
 
 @router.get("/{file_id}")
-def retrieve(conn: Conn, settings: Config, file_id: str) -> FileObject:
-    return file_store(conn, settings).get(file_id)
+def retrieve(conn: Conn, settings: Config, tenant: Caller, file_id: str) -> FileObject:
+    return file_store(conn, settings).get(file_id, tenant).public()
 
 
 @router.get("/{file_id}/content")
-def content(conn: Conn, settings: Config, file_id: str) -> Response:
-    data = file_store(conn, settings).content(file_id)
-    return Response(data, media_type="application/jsonl")
+def content(conn: Conn, settings: Config, tenant: Caller, file_id: str) -> FileResponse:
+    path = file_store(conn, settings).path(file_id, tenant)
+    return FileResponse(path, media_type="application/jsonl")
 
 
 @router.delete("/{file_id}")
-def delete(conn: Conn, settings: Config, file_id: str) -> dict[str, Any]:
-    file_store(conn, settings).delete(file_id)
+def delete(conn: Conn, settings: Config, tenant: Caller, file_id: str) -> dict[str, Any]:
+    file_store(conn, settings).delete(file_id, tenant)
     return {"id": file_id, "object": "file", "deleted": True}
 
 

@@ -20,8 +20,9 @@ PUBLIC: dict[tuple[str, str], str] = {}
 PATH_PARAM = re.compile(r"\{[^}]+\}")
 
 
-def every_route(settings: Settings, redis_url: str) -> list[tuple[str, str]]:
-    """(method, concrete path) for every route and method of the app, path params filled in."""
+def every_route(settings: Settings, redis_url: str, fill: bool = True) -> list[tuple[str, str]]:
+    """(method, path) for every route and method of the app, path params filled in (`fill`)
+    or left as the route's template."""
     conn = connect(redis_url)
     try:
         app = create_app(conn, settings, KEYS)
@@ -32,7 +33,8 @@ def every_route(settings: Settings, redis_url: str) -> list[tuple[str, str]]:
     assert documented <= {PATH_PARAM.sub("{}", path) for path, _ in routes}, "the walk missed some"
     found = []
     for path, methods in routes:
-        found += [(method, PATH_PARAM.sub("dummy-id", path)) for method in sorted(methods)]
+        concrete = PATH_PARAM.sub("dummy-id", path) if fill else path
+        found += [(method, concrete) for method in sorted(methods)]
     return found
 
 

@@ -121,10 +121,10 @@ def test_invalid_lines_fail_the_batch_naming_them(client):
     failed, _ = wait_batch(client, batch.id, {"failed", "in_progress", "completed"})
     assert failed.status == "failed"
     errors = failed.errors.data
-    assert [e.line for e in errors] == [1, 2, 3]
-    assert "gpt-4o-mini" in errors[0].message
-    hinted = [e for e in errors if "metadata={'model'" in e.message]
-    assert len(hinted) == 1, "the hint about OpenAI model names comes once"
+    assert [e.line for e in errors] == [None, 2]  # one error for the lines naming gpt-4o-mini
+    assert errors[0].code == "model_not_found" and "line(s) 1, 3" in errors[0].message
+    assert "gpt-4o-mini" in errors[0].message and "RINGQ_MODEL_ALIASES" in errors[0].message
+    assert "metadata={'model'" in errors[0].message
     assert failed.output_file_id is None
 
 

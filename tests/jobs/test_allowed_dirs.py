@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from cli.main import cli
 from jobs.batch_input import Defaults, parse_batch_lines
-from jobs.errors import ForbiddenPathError
+from jobs.errors import ForbiddenPathError, ModelNotServedError
 from jobs.files import allowed_path
 from jobs.lifecycle import JobState
 from jobs.model_catalog import resolve_model
@@ -116,8 +116,9 @@ def test_the_allowed_dirs_come_from_the_callers_settings(dirs, tiny_llama_dir, m
     get_settings.cache_clear()
     spec = JobSpec(kind=JobKind.PREFILL, document="A short document.", model=str(tiny_llama_dir))
     restricted = Settings(home=allowed, allowed_dirs=[allowed])
-    with pytest.raises(ForbiddenPathError, match="outside RINGQ_ALLOWED_DIRS"):
+    with pytest.raises(ModelNotServedError, match="not served here") as refused:
         check_spec(spec, restricted)
+    assert "outside RINGQ_ALLOWED_DIRS" in refused.value.reason  # the operator's detail
     with pytest.raises(ForbiddenPathError, match="outside RINGQ_ALLOWED_DIRS"):
         tokenize_and_check(spec, allowed_dirs=restricted.allowed_dirs)
     check_spec(spec, Settings(home=allowed))  # no restriction: it runs
