@@ -5,6 +5,8 @@ that command runs (`python -X importtime -m cli.main status JOB` shows what one 
 so `ringq status` never loads MLX, transformers or RQ."""
 
 import importlib
+import contextlib
+import os
 import sys
 from collections.abc import Iterator, MutableMapping
 
@@ -112,8 +114,27 @@ def cli() -> None:
     """
 
 
+def keep_files_private() -> None:
+    """What ringq creates is its user's alone (folders 0700, files 0600): RINGQ_HOME holds
+    documents' KV caches, checkpoints and logs with prompts in them. The umask is inherited by
+    every process ringq starts (services, node agents, ranks), so no code path can forget it;
+    a RINGQ_HOME made before is narrowed to 0700 here."""
+    os.umask(0o077)
+    home = os.environ.get("RINGQ_HOME") or _default_home()
+    with contextlib.suppress(OSError):  # not there yet, or another user's: leave it be
+        if os.stat(home).st_uid == os.getuid():
+            os.chmod(home, 0o700)
+
+
+def _default_home() -> str:
+    import platformdirs
+
+    return platformdirs.user_data_dir("ringq")
+
+
 def main() -> None:
     """Entry point: every error, usage errors included, is one line on stderr and exit code 1+."""
+    keep_files_private()
     try:
         cli(standalone_mode=False)
     except click.ClickException as exc:

@@ -77,8 +77,9 @@ class Client:
 
     def submit(
         self,
-        document: str | os.PathLike[str],
+        path: os.PathLike[str] | None = None,
         *,
+        document: str | None = None,
         kind: JobKind | Literal["prefill", "generate"] = JobKind.GENERATE,
         prompt: str | None = None,
         model: str | None = None,
@@ -94,13 +95,14 @@ class Client:
         ring_size: int | Literal["auto"] | None = None,
         sharding: StrategyChoice | None = None,
     ) -> JobRecord:
-        """Enqueue one job; returns its record (state queued). `document` is the text itself
-        (a str) or a file to read (a pathlib.Path / os.PathLike). A generate job without
+        """Enqueue one job; returns its record (state queued). Its document is a file to read
+        (`path`, a pathlib.Path / os.PathLike) or the text itself (`document=`); a str
+        `path` is refused rather than guessed at. A generate job without
         `prompt` summarises the document (schemas.DEFAULT_GENERATE_PROMPT). `ring_size` and
         `sharding` are the deprecated names of `ranks` and `strategy`."""
         from jobs.submit import submit_job  # imports rq: only the commands that enqueue pay
 
-        text, name = _document(document, self.settings.max_document_bytes)
+        text, name = _document(path, document, self.settings.max_document_bytes)
         spec = JobSpec(
             kind=JobKind(kind),
             document=text,
@@ -258,12 +260,22 @@ class Client:
         self.close()
 
 
-def _document(document: str | os.PathLike[str], max_bytes: int) -> tuple[str, str]:
-    if isinstance(document, str):
+def _document(given: object, document: str | None, max_bytes: int) -> tuple[str, str]:
+    """(text, name) of the job's document: `given` a file path, or `document` the text."""
+    if isinstance(given, str):
+        raise InvalidJobError(
+            f"Client.submit({given[:40]!r}): a str is neither a file nor text here; pass "
+            "pathlib.Path(...) to read a file, or document=... for the text itself"
+        )
+    if (given is None) == (document is None):
+        raise InvalidJobError("Client.submit takes a file path or document=..., one of them")
+    if document is not None:
         return document, "-"
     from jobs.files import printable_name, read_at_most
 
-    path = Path(document)
+    if not isinstance(given, os.PathLike):
+        raise InvalidJobError(f"Client.submit: {type(given).__name__} is not a file path")
+    path = Path(given)
     try:
         data = read_at_most(path, max_bytes)
     except OSError as exc:

@@ -42,7 +42,7 @@ def finish(client: Client, job_id: str, text: str = "An answer.") -> None:
 
 
 def test_submit_text_or_a_file(client, tmp_path):
-    by_text = client.submit("Some text.", model=MODEL, prompt="Why?", stop=["\n"], seed=3)
+    by_text = client.submit(document="Some text.", model=MODEL, prompt="Why?", stop=["\n"], seed=3)
     assert by_text.state == JobState.QUEUED and by_text.spec.document == "Some text."
     assert (by_text.spec.stop, by_text.spec.seed) == (["\n"], 3)
     doc = tmp_path / "report.txt"
@@ -55,10 +55,18 @@ def test_submit_text_or_a_file(client, tmp_path):
         client.submit(Path(tmp_path / "missing.txt"), model=MODEL)
 
 
+def test_submit_never_guesses_whether_a_str_is_a_path(client, tmp_path):
+    with pytest.raises(InvalidJobError, match=r"pathlib.Path\(...\) to read a file, or document="):
+        client.submit(str(tmp_path / "report.txt"), model=MODEL)  # type: ignore[arg-type]
+    with pytest.raises(InvalidJobError, match="one of them"):
+        client.submit(tmp_path / "report.txt", document="Text.", model=MODEL)
+    assert client.jobs() == []
+
+
 def test_submit_takes_ranks_and_strategy_and_still_the_old_names(client, redis_conn):
-    new = client.submit("Some text.", model=MODEL, ranks=2, strategy="ring")
+    new = client.submit(document="Some text.", model=MODEL, ranks=2, strategy="ring")
     with pytest.warns(DeprecationWarning) as warned:
-        old = client.submit("Some text.", model=MODEL, ring_size=2, sharding="ring")
+        old = client.submit(document="Some text.", model=MODEL, ring_size=2, sharding="ring")
     assert sorted(str(w.message) for w in warned) == [
         "Client.submit(ring_size=...) is deprecated, use ranks=...",
         "Client.submit(sharding=...) is deprecated, use strategy=...",
@@ -68,17 +76,17 @@ def test_submit_takes_ranks_and_strategy_and_still_the_old_names(client, redis_c
         stored = json.loads(redis_conn.hget(keys.job(record.id), "spec"))
         assert (stored["ranks"], stored["strategy"]) == (2, "ring") and "ring_size" not in stored
     with pytest.raises(ValueError, match="strategy"):
-        client.submit("Some text.", model=MODEL, strategy="tree")  # type: ignore[arg-type]
+        client.submit(document="Some text.", model=MODEL, strategy="tree")  # type: ignore[arg-type]
 
 
 def test_submit_checks_max_tokens_against_the_context(client):
     with pytest.raises(InvalidJobError, match="context of 16384 tokens: lower --max-tokens"):
-        client.submit("Short.", model=MODEL, max_tokens=20000)
+        client.submit(document="Short.", model=MODEL, max_tokens=20000)
     assert client.jobs() == []
 
 
 def test_result_waits_and_says_why_there_is_none(client):
-    job = client.submit("Some text.", model=MODEL)
+    job = client.submit(document="Some text.", model=MODEL)
     with pytest.raises(JobNotFinishedError, match="is queued, not finished yet"):
         client.result(job.id)
     started = time.monotonic()
@@ -90,7 +98,7 @@ def test_result_waits_and_says_why_there_is_none(client):
 
 
 def test_cancelled_job_result_raises_with_its_record(client):
-    job = client.submit("Some text.", model=MODEL)
+    job = client.submit(document="Some text.", model=MODEL)
     assert client.cancel(job.id).state == JobState.CANCELLED
     with pytest.raises(JobFailedError, match="cancelled before it started") as raised:
         client.result(job.id)
@@ -98,7 +106,7 @@ def test_cancelled_job_result_raises_with_its_record(client):
 
 
 def test_watch_yields_each_change_until_the_job_ends(client):
-    job = client.submit("Some text.", model=MODEL)
+    job = client.submit(document="Some text.", model=MODEL)
     yielded: queue.Queue[None] = queue.Queue()  # one item per record the watch has yielded
     steps = [
         lambda: client.store.transition(job.id, JobState.ADMITTED),
