@@ -4,8 +4,8 @@ Start-up is kept small: this module imports only click; each command's module is
 that command runs (`python -X importtime -m cli.main status JOB` shows what one command loads),
 so `ringq status` never loads MLX, transformers or RQ."""
 
-import importlib
 import contextlib
+import importlib
 import os
 import sys
 from collections.abc import Iterator, MutableMapping

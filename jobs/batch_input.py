@@ -56,6 +56,7 @@ class LineError:
     message: str
     custom_id: str | None = None  # when the line names one
     bad_model: str | None = None  # the model the line names, when that is what is wrong
+    param: str | None = None  # the field to change, when the check knows it
 
     def skipped(self) -> SkippedLine:
         """As kept on the batch (JSON): text that is not valid Unicode is escaped."""
@@ -140,7 +141,9 @@ def parse_batch_lines(
             item = replace(item, spec=check(item.spec))
         except (ValueError, RingqError) as exc:
             bad_model = exc.model if isinstance(exc, ModelNotRunError) else None
-            errors.append(LineError(number, _one_line(exc), _custom_id_of(line), bad_model))
+            param = getattr(exc, "param", None)
+            message = _one_line(exc)
+            errors.append(LineError(number, message, _custom_id_of(line), bad_model, param))
             continue
         if item.custom_id in first_line:
             first = first_line[item.custom_id]

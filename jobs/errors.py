@@ -6,7 +6,12 @@ class RingqError(Exception):
 
 
 class InvalidJobError(RingqError):
-    """A job spec or its input is unusable (bad file, bad number, prompt too long...)."""
+    """A job spec or its input is unusable (bad file, bad number, prompt too long...);
+    `param`: the request field to change, when one is (the HTTP API's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class BatchInputError(InvalidJobError):

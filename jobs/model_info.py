@@ -100,19 +100,21 @@ def check_context(
     room = context_length - prompt_tokens
     if exact:
         prompt = f"prompt of {prompt_tokens} tokens"
-        lower = f"lower --max-tokens (max_tokens) to at most {room}"
+        lower = f"lower max_tokens to at most {room}"
     else:  # the dispatcher knows the real count (chat template included): a limit, not a number
         prompt = f"prompt of at least {prompt_tokens} tokens"
-        lower = f"lower --max-tokens (max_tokens) below {room}"
+        lower = f"lower max_tokens below {room}"
+    param = "max_tokens"
     if room < 1:
-        fix = "shorten the document: the prompt alone fills the context"
+        fix, param = "shorten the document: the prompt alone fills the context", "document"
     elif max_tokens <= context_length // 2:  # mostly document: the document is what to cut
         fix = f"shorten the document, or {lower}"
     else:
         fix = lower
     raise InvalidJobError(
         f"{prompt} + {max_tokens} to generate exceeds {model}'s context of "
-        f"{context_length} tokens: {fix}"
+        f"{context_length} tokens: {fix}",
+        param,
     )
 
 

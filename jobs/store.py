@@ -52,7 +52,7 @@ class JobStore:
                         if _written_by(pipe.hget(key, WRITE_FIELD), write):
                             return self.get(job_id)  # this call's own write, applied
                         raise InvalidJobError(
-                            f"a job with id {job_id!r} already exists; choose another --id"
+                            f"a job with id {job_id!r} already exists; choose another id", "id"
                         )
                     pipe.multi()
                     [record] = self.create_in(pipe, [(job_id, spec)], time.time(), write)

@@ -69,8 +69,9 @@ def _submit(conn: Conn, settings: Settings, tenant: Tenant, body: dict[str, Any]
     defaults = Defaults.of(settings, None, DEFAULT_MAX_TOKENS)
     parsed = parse_batch_lines([json.dumps(line)], Path("."), "chat", defaults, settings)
     if parsed.errors:
-        message = parsed.errors[0].message
-        raise ApiError(400, message, param=param_of(message), code="invalid_value")
+        error = parsed.errors[0]
+        param = error.param or param_of(error.message)
+        raise ApiError(400, error.message, param=param, code="invalid_value")
     spec = parsed.items[0].spec.model_copy(update={"custom_id": None, "document_name": "chat"})
     record = submit_job(conn, spec, settings=settings)
     own_jobs(conn, tenant, [record.id], settings.job_ttl_s)

@@ -74,9 +74,12 @@ def error_response(exc: ApiError, headers: Mapping[str, str] | None = None) -> J
 
 
 def from_ringq(exc: RingqError) -> ApiError:
+    param = getattr(exc, "param", None)
+    if isinstance(exc, UnknownModelError):
+        param = "model"
     for kind, status, type_, code in _RINGQ_ERRORS:
         if isinstance(exc, kind):
-            return ApiError(status, str(exc), type_=type_, code=code)
+            return ApiError(status, str(exc), type_=type_, code=code, param=param)
     return ApiError(500, str(exc), type_="server_error", code="ringq_error")
 
 

@@ -294,3 +294,16 @@ def test_document_paths_name_no_server_file(served, http):
     messages = [error["message"] for error in batch["errors"]["data"]]
     assert len(messages) == 3 and all("outside RINGQ_ALLOWED_DIRS" in m for m in messages)
     assert not any(os.getcwd() in m or "root:" in m for m in messages)
+
+
+def test_errors_speak_http_and_name_the_field(served, http):
+    for max_tokens in (0, 32768):
+        body = {**chat_body(), "max_tokens": max_tokens}
+        response = http.post("/v1/chat/completions", json=body, headers=auth(ALICE))
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "max_tokens", error
+        assert "--" not in error["message"], error
+    job = {"kind": "prefill", "document": "Twice.", "model": MODEL, "id": "twice-1"}
+    assert http.post("/api/jobs", json=job, headers=auth(ALICE)).status_code == 201
+    again = http.post("/api/jobs", json=job, headers=auth(ALICE)).json()["error"]
+    assert again["param"] == "id" and "--" not in again["message"], again

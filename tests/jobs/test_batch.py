@@ -191,7 +191,7 @@ def test_max_tokens_past_the_context_is_refused_per_line_saying_what_to_lower():
     parsed = parse([plain("big", model="random:tiny-llama", max_tokens=20000)])
     [error] = parsed.errors
     assert "exceeds random:tiny-llama's context of 16384 tokens" in error.message
-    assert error.message.endswith("lower --max-tokens (max_tokens) below 16374")  # a token a byte
+    assert error.message.endswith("lower max_tokens below 16374")  # a token a byte
 
 
 def test_a_batch_without_good_lines_is_refused_even_with_skip_invalid():

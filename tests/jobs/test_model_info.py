@@ -62,14 +62,14 @@ def test_unknown_models_are_not_cached(fresh):
             9000,
             False,
             "prompt of at least 10 tokens + 9000 to generate exceeds m's context "
-            "of 8192 tokens: lower --max-tokens (max_tokens) below 8182",
+            "of 8192 tokens: lower max_tokens below 8182",
         ),
         (
             8000,
             256,
             True,
             "prompt of 8000 tokens + 256 to generate exceeds m's context of 8192 "
-            "tokens: shorten the document, or lower --max-tokens (max_tokens) to at most 192",
+            "tokens: shorten the document, or lower max_tokens to at most 192",
         ),
         (9000, 10, True, "shorten the document: the prompt alone fills the context"),
         (100, 8092, True, None),
