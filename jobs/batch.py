@@ -191,7 +191,10 @@ def output_line(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": result.text or ""},
+                "message": {
+                    "role": "assistant",
+                    "content": whole_characters(result.text or "", hit_limit),
+                },
                 "finish_reason": "length" if hit_limit else "stop",
             }
         ],
@@ -204,6 +207,12 @@ def output_line(
     }
     response = {"status_code": 200, "request_id": entry.job_id, "body": body}
     return {**_line_head(entry), "response": response, "error": None}
+
+
+def whole_characters(text: str, cut: bool) -> str:
+    """An answer cut at max_tokens ends on a whole character: the last token may hold only the
+    first bytes of one, which decode as U+FFFD."""
+    return text.rstrip("\ufffd") if cut else text
 
 
 def error_line(entry: BatchEntry, code: str, message: str) -> dict[str, Any]:

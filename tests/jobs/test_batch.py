@@ -344,3 +344,18 @@ def test_batch_runs_on_the_cluster(cluster, tiny_llama_dir, tmp_path):
     assert bodies[1]["choices"][0]["message"]["content"] == ""
     assert all(body["usage"]["prompt_tokens"] > 0 for body in bodies)
     assert found.errors == [] and found.pending == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "cut", "shown"),
+    [
+        ("Ring attention \ufffd", True, "Ring attention "),  # half of a character's bytes
+        ("Ring \ufffd\ufffd", True, "Ring "),
+        ("Ring \ufffd", False, "Ring \ufffd"),  # not cut: the model wrote it
+        ("Ring é", True, "Ring é"),
+    ],
+)
+def test_an_answer_cut_at_max_tokens_ends_on_a_whole_character(text, cut, shown):
+    from jobs.batch import whole_characters
+
+    assert whole_characters(text, cut) == shown
