@@ -8,7 +8,6 @@ import click
 from click.core import ParameterSource
 
 from admission.vocabulary import EXCHANGES, KV_LAYOUTS, STRATEGIES
-from cli.bench_report import parse_choices
 from cli.common import read_document
 from jobs.schemas import DEFAULT_GENERATE_PROMPT, JobKind, JobSpec
 from jobs.settings import get_settings
@@ -143,7 +142,12 @@ def comma_list(parse: Callable[[str], object]):
 
 
 def choices_list(choices: Sequence[str]):
-    return comma_list(lambda text: parse_choices(text, choices))
+    def parse(text: str) -> list[str]:
+        from cli.bench_report import parse_choices  # rich, for bench's tables: bench only
+
+        return parse_choices(text, choices)
+
+    return comma_list(parse)
 
 
 def layout_options(many: bool):
