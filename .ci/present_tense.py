@@ -19,7 +19,9 @@ LAB_NOTES = {
         r"twenty|twentieth|twenty-\w+)\s+session\b",
         re.IGNORECASE,
     ),
-    "a commit hash": re.compile(r"(?<![\w-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![\w-])"),
+    "a commit hash": re.compile(
+        r"(?<![\w-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![\w-])"
+    ),
     "an issue number": re.compile(r"\bissue\s+#?\d+|\(#\d+\)", re.IGNORECASE),
     "a result file": re.compile(r"bench/results"),
 }
@@ -34,10 +36,10 @@ def notes(source: str) -> list[tuple[int, str]]:
     ]
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                if isinstance(body[0].value.value, str):
-                    found.append((body[0].lineno, body[0].value.value))
+            first = node.body[0] if node.body else None
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                found.append((value.lineno, value.value))
     return found
 
 

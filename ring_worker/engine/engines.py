@@ -428,7 +428,7 @@ class RingEngine(Engine):
 
 
 class LastPositionMLP(nn.Module):
-    """An MLP applied to the last position only. In mlx-lm's Llama / Qwen3 blocks the residual
+    """An MLP applied to the last position only. In mlx-lm's Llama / Qwen blocks the residual
     add then broadcasts it over every position: only the last one is right, and only it is read."""
 
     def __init__(self, inner: nn.Module):
@@ -452,7 +452,7 @@ def last_position_mlp(model: nn.Module) -> Iterator[None]:
 
 
 def logits_from_hidden(model: nn.Module, hidden: mx.array) -> mx.array:
-    """The LM head of mlx-lm's Llama / Qwen3 applied to already-normalised hidden states."""
+    """The LM head of mlx-lm's Llama / Qwen applied to already-normalised hidden states."""
     if model.args.tie_word_embeddings:
         return model.model.embed_tokens.as_linear(hidden)
     return model.lm_head(hidden)

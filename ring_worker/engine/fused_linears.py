@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, qwen3
+from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.activations import swiglu
 
 QKV = "fused_qkv"  # attribute of an mlx-lm attention module that holds its Fused q/k/v
-MLP_TYPES = (llama.MLP, qwen3.MLP)  # down_proj(swiglu(gate_proj(x), up_proj(x)))
+MLP_TYPES = (llama.MLP, qwen2.MLP, qwen3.MLP)  # down_proj(swiglu(gate_proj(x), up_proj(x)))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Load a resolved model into mlx-lm's Llama / Qwen3 modules; write tiny random ones for tests.
+"""Load a resolved model into mlx-lm's Llama / Qwen modules; write tiny random ones for tests.
 
 Why GGUF weights are dequantized to float32 by default (SmolLM2-135M, one 512-token forward pass on
 the 2-core CPU node, OpenBLAS preloaded): float32 209 tok/s, bfloat16 21, float16 12, the 4-bit
@@ -176,7 +176,7 @@ def _mlx_lm_name(gguf_name: str, path: Path) -> str:
         return ".".join([_GGUF_TOP_NAMES[parts[0]], *parts[1:]])
     except (KeyError, IndexError):
         raise UnknownModelError(
-            f"{path}: GGUF tensor {gguf_name!r} has no place in mlx-lm's Llama / Qwen3 model"
+            f"{path}: GGUF tensor {gguf_name!r} has no place in mlx-lm's Llama / Qwen model"
         ) from None
 
 
@@ -228,9 +228,16 @@ def _use_rope_factors(model: nn.Module, factors: mx.array, config: dict[str, Any
         )
 
 
+ARCHITECTURE_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
 def make_tiny_model_dir(
     path: Path,
-    architecture: Literal["llama", "qwen3"],
+    architecture: Literal["llama", "qwen2", "qwen3"],
     *,
     seed: int = 0,
     layers: int = 2,
@@ -245,7 +252,7 @@ def make_tiny_model_dir(
     tokenizer = load_tokenizer(resolve_model("smollm2", allowed_dirs=None))  # built in
     config = {
         "model_type": architecture,
-        "architectures": ["LlamaForCausalLM" if architecture == "llama" else "Qwen3ForCausalLM"],
+        "architectures": [ARCHITECTURE_CLASSES[architecture]],
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "intermediate_size": intermediate,

@@ -146,8 +146,8 @@ def visibility(query_block: int, key_block: int) -> str:
 def project_qkv(
     attn: nn.Module, x: mx.array, offset: int | mx.array
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """Q/K/V of mlx-lm's Llama or Qwen3 attention, RoPE applied at absolute positions (one
-    offset, or one per row of a decode batch)."""
+    """Q/K/V of mlx-lm's Llama or Qwen attention (Qwen2: biased projections), RoPE applied at
+    absolute positions (one offset, or one per row of a decode batch)."""
     q, k, v = project_heads(attn, x)
     if hasattr(attn, "q_norm"):  # Qwen3 normalises per head before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)

@@ -129,7 +129,7 @@ def test_unknown_names_say_what_is_accepted(name):
 
 def test_unsupported_hf_architecture_is_refused(tmp_path):
     path = write_hf_dir(tmp_path / "gpt2", model_type="gpt2")
-    with pytest.raises(UnknownModelError, match=r"'gpt2'.*llama and qwen3"):
+    with pytest.raises(UnknownModelError, match=r"'gpt2'.*llama, qwen2 and qwen3"):
         resolve_model(str(path), allowed_dirs=None)
 
 
@@ -142,7 +142,7 @@ def test_unsupported_gguf_architecture_is_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnknownModelError, match=r"'gpt2'.*llama and qwen3"):
+    with pytest.raises(UnknownModelError, match=r"'gpt2'.*llama, qwen2 and qwen3"):
         resolve_model(str(path), allowed_dirs=None)
 
 

@@ -70,7 +70,7 @@ def test_smollm2_float16_stays_close_to_float32(smollm2, smollm2_model):
     assert mx.abs(actual.astype(mx.float32) - expected).max().item() < FLOAT16_ATOL
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
 def test_tiny_model_dir_loads_and_runs(tmp_path, architecture):
     source = resolve_model(
         str(make_tiny_model_dir(tmp_path / architecture, architecture)), allowed_dirs=None
@@ -194,7 +194,7 @@ def write_gguf(hf_dir: Path, path: Path, rope_factors: np.ndarray | None = None)
     return path
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
 def test_gguf_matches_the_hf_dir_it_was_converted_from(tmp_path, architecture):
     hf_dir = make_tiny_model_dir(tmp_path / "hf", architecture, **TINY)
     gguf_source = resolve_model(str(write_gguf(hf_dir, tmp_path / "tiny.gguf")), allowed_dirs=None)

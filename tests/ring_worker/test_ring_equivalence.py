@@ -30,7 +30,7 @@ DECODE_LOGITS_ATOL = 5e-4
 LAYERS = 4  # a pipeline of 4 ranks needs 4 layers
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny_model_dir(request, tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp(request.param), request.param, layers=LAYERS)
 
@@ -99,16 +99,18 @@ CASES = [
     ("pipeline", 3, "rotate", "replicated"),
     ("pipeline", 4, "rotate", "replicated"),
 ]
-# Qwen3 differs from Llama only inside the attention's projections (q/k norms, project_qkv),
+# Qwen2 and Qwen3 differ from Llama only inside the attention's projections (biases; q/k norms),
 # which groups of one and two ranks exercise; 3 and 4 ranks on 2 CPU cores take ~20 s each.
-PARAMS = [("llama", *case) for case in CASES] + [("qwen3", *c) for c in CASES if c[1] <= 2]
+PARAMS = [("llama", *case) for case in CASES] + [
+    (name, *c) for name in ("qwen2", "qwen3") for c in CASES if c[1] <= 2
+]
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     return {
         name: save_tiny(tmp_path_factory.mktemp(name), name, layers=LAYERS)
-        for name in ("llama", "qwen3")
+        for name in ("llama", "qwen2", "qwen3")
     }
 
 

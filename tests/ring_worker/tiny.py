@@ -1,5 +1,5 @@
-"""Tiny random-weight Llama / Qwen3 models for multi-process tests (saved, so every rank loads
-the same weights)."""
+"""Tiny random-weight Llama / Qwen2 / Qwen3 models for multi-process tests (saved, so every rank
+loads the same weights)."""
 
 import json
 from pathlib import Path
@@ -7,9 +7,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models import llama, qwen3
+from mlx_lm.models import llama, qwen2, qwen3
 
-ARCHITECTURES = {"llama": llama, "qwen3": qwen3}
+ARCHITECTURES = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3}
 
 
 def save_tiny(path: Path, architecture: str, seed: int = 0, layers: int = 2) -> Path:
@@ -25,7 +25,7 @@ def save_tiny(path: Path, architecture: str, seed: int = 0, layers: int = 2) -> 
         "vocab_size": 1000,
         "rope_theta": 10000.0,
         "max_position_embeddings": 4096,
-        "tie_word_embeddings": architecture == "qwen3",
+        "tie_word_embeddings": architecture == "qwen3",  # Qwen2 here: an untied head
     }
     mx.random.seed(seed)
     model = build(config)
