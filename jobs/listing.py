@@ -9,6 +9,7 @@ the indexes as they are met. Jobs recorded before the indexes existed are indexe
 first listing that finds the indexes missing."""
 
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,7 +51,10 @@ class BatchSummary(BaseModel):
 def eta_s(progress: Progress) -> float | None:
     """Seconds left in the current phase at its current speed: prefill's prompt tokens, or
     decode's tokens up to max_tokens (at most that: EOS may end it sooner); None when there is
-    no speed to go by."""
+    no speed to go by. A prefill's own ETA (by the prompt's FLOPs, from its rank) counts down
+    from when it was reported."""
+    if progress.phase == JobState.PREFILL and progress.eta_s is not None:
+        return max(progress.eta_s - max(time.time() - progress.updated_at, 0.0), 0.0)
     if progress.phase == JobState.PREFILL and progress.prompt_tps > 0:
         return max(progress.total - progress.processed, 0) / progress.prompt_tps
     if progress.phase == JobState.DECODE and progress.generation_tps > 0:

@@ -96,6 +96,7 @@ class Progress(_Message):
     total: int = 0
     prompt_tps: float = 0.0
     generation_tps: float = 0.0  # decode: generated tokens per second so far
+    eta_s: float | None = None  # prefill: the seconds left as of updated_at, by the prompt's FLOPs
     updated_at: float = Field(default_factory=time.time)
 
 

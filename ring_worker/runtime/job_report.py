@@ -2,6 +2,7 @@
 rank 0's throttled write) and the result it ends with."""
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jobs.lifecycle import JobState
@@ -58,12 +59,18 @@ class ReportClock:
     interval_s: float = PROGRESS_INTERVAL_S
     phase: str = ""
     phase_started_s: float = 0.0
+    phase_from: int = 0  # tokens done at the phase's first report (a resumed prefill's start)
     last_write_s: float = 0.0
 
 
-def throttled(io: JobIO, lead: bool, clock: ReportClock | None = None):
+Cost = Callable[[int, int], float]  # the work of tokens [start, end): the prompt's FLOPs
+
+
+def throttled(io: JobIO, lead: bool, clock: ReportClock | None = None, cost: Cost | None = None):
     """Progress callback for the engine: rank 0 writes at most every `clock.interval_s`, and
-    always the first and last update of a phase."""
+    always the first and last update of a phase. With `cost`, a prefill's progress carries its
+    ETA: the seconds so far scaled by the work left over the work done, since a long prompt's
+    later tokens cost more (each attends to all before it) and tokens per second fall."""
     clock = clock or ReportClock()
 
     def report(phase: str, done: int, total: int) -> None:
@@ -71,13 +78,16 @@ def throttled(io: JobIO, lead: bool, clock: ReportClock | None = None):
             return
         now = time.perf_counter()
         if phase != clock.phase:
-            clock.phase, clock.phase_started_s = phase, now
+            clock.phase, clock.phase_started_s, clock.phase_from = phase, now, done
         if done not in (1, total) and now - clock.last_write_s < clock.interval_s:
             return
         clock.last_write_s = now
         # the phase's first report has no rate yet (0: unknown), not done / 1e-9
         elapsed = now - clock.phase_started_s
-        rate = done / elapsed if elapsed > 0 else 0.0
+        rate = (done - clock.phase_from) / elapsed if elapsed > 0 else 0.0
+        eta_s = None
+        if cost is not None and phase == "prefill" and done > clock.phase_from:
+            eta_s = elapsed * cost(done, total) / cost(clock.phase_from, done)
         io.progress(
             Progress(
                 phase=JobState(phase),
@@ -85,6 +95,7 @@ def throttled(io: JobIO, lead: bool, clock: ReportClock | None = None):
                 total=total,
                 prompt_tps=rate if phase == "prefill" else 0.0,
                 generation_tps=rate if phase == "decode" else 0.0,
+                eta_s=eta_s,
             )
         )
 

@@ -16,7 +16,14 @@ from jobs.schemas import GroupSpec, JobKind, JobResult, JobSpec
 from jobs.settings import Settings
 from jobs.tokenizer import ChatTokenizer
 from ring_worker.engine.checkpoint import end_checkpoints, start_checkpoints
-from ring_worker.engine.engines import Cancelled, DecodeResult, Engine, PrefillResult, ProgressFn
+from ring_worker.engine.engines import (
+    Cancelled,
+    DecodeResult,
+    Engine,
+    PrefillResult,
+    ProgressFn,
+    model_prefill_flops,
+)
 from ring_worker.runtime.job_io import JobIO
 from ring_worker.runtime.job_prefix import keep_after, memory_room, starting_point
 from ring_worker.runtime.job_report import enter, job_result, kicking, throttled
@@ -106,7 +113,8 @@ def prefill_job(
     automatic = ctx.settings.prefix_cache == "on"
     start = starting_point(prefix, engine, spec, tokens, automatic, memory_room(io))
     cache, reused = (start.cache, start.tokens) if start is not None else (None, 0)
-    report = kicking(watchdog, throttled(io, ctx.lead))
+    cost = partial(model_prefill_flops, engine.model.args)
+    report = kicking(watchdog, throttled(io, ctx.lead, cost=cost))
     enter(io, ctx.lead, watchdog, JobState.PREFILL, len(tokens) - reused)
     started_at = time.time()
     prefill = checkpointed_prefill(engine, ctx, io, tokens, report, cache, reused)

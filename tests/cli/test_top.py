@@ -223,6 +223,17 @@ def test_eta_s(progress, expected):
     assert eta_s(progress) == expected
 
 
+def test_a_prefills_own_eta_counts_down_from_its_report():
+    """The rank's ETA (by the prompt's FLOPs) wins over tokens per second, less the time since."""
+    reported = time.time() - 10
+    progress = Progress(
+        phase=JobState.PREFILL, processed=100, total=1100, prompt_tps=50.0, eta_s=30.0,
+        updated_at=reported,
+    )  # fmt: skip
+    assert eta_s(progress) == pytest.approx(20.0, abs=0.5)
+    assert eta_s(progress.model_copy(update={"eta_s": 5.0})) == 0.0
+
+
 @pytest.mark.parametrize(
     ("seconds", "text"),
     [(None, "-"), (0.0, "0:00"), (59.6, "1:00"), (65.0, "1:05"), (3725.0, "1:02:05")],

@@ -56,3 +56,17 @@ def test_a_clock_paces_the_reports_between_a_phases_first_and_last():
 def test_pace_grows_as_the_square_root_of_the_batch():
     assert pace(1) == 1.0 and pace(0) == 1.0
     assert pace(4) == 2.0 and pace(32) == math.sqrt(32)
+
+
+def test_a_prefills_eta_weighs_the_work_left_by_its_cost():
+    """Later tokens of a long prompt cost more: with work growing as the square of the tokens
+    done, half the tokens leave three times the work done, so the ETA is 3x the time so far."""
+    io = Recorded()
+    report = throttled(cast(JobIO, cast(Any, io)), lead=True, cost=lambda a, b: b * b - a * a)
+    report("prefill", 0, 100)
+    time.sleep(0.3)  # past the throttle's interval
+    report("prefill", 50, 100)
+    first, last = io.reports
+    assert first.eta_s is None  # no work done yet to go by
+    elapsed = 50 / last.prompt_tps
+    assert last.eta_s is not None and math.isclose(last.eta_s, 3 * elapsed, rel_tol=1e-6)
