@@ -3,6 +3,8 @@
 #   bash bench/gpu_run.sh service     # ringq up defaults: cold/warm, warm-up off
 #   bash bench/gpu_run.sh overheads   # defaults twice on one RINGQ_HOME (a second ringq up),
 #                                     # then checkpoints off: 32K and 128K, cold and warm
+#   bash bench/gpu_run.sh long-document  # Qwen2.5-1M shape: LONG_TOKENS (1M on an H200,
+#                                     # 524288 on an H100), progress, resume, a second question
 #   bash bench/gpu_run.sh demo        # ringq demo on one GPU; rank start profile
 #   bash bench/gpu_run.sh calibrate   # GPU peak probe, admission calibration
 #   bash bench/gpu_run.sh pacing      # peak and speed, prefill paced or not
@@ -47,6 +49,13 @@ for part in "$@"; do
       python3 -m bench.gpu_service --model $model --pp 32700,131000 --warm 2 --home $home \
         --env RINGQ_CHECKPOINT_TOKENS=0 --out "$out/overheads-checkpoints-off.json"
       du -sh $home/kernels 2>&1 | tee "$out/overheads-kernels.txt"
+      ;;
+    long-document)
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+      case "$gpu" in *H200*) tokens=1000000; machine=h200 ;; *) tokens=524288; machine=h100 ;; esac
+      timeout 590 python3 -m bench.long_document --model random:qwen2.5-7b-1m \
+        --tokens ${LONG_TOKENS:-$tokens} --machine $machine \
+        --out "$out/long-document-$machine.json"
       ;;
     demo)
       python3 - > "$out/rank-start.txt" 2>&1 <<'PY'
