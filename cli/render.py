@@ -3,6 +3,7 @@
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.lifecycle import JobState
@@ -234,26 +235,42 @@ def nodes_table(nodes: list[NodeInfo], reserved_bytes: dict[str, int]) -> "Table
     return table
 
 
+def count(tokens: int) -> str:
+    """4096 -> 4096, 131072 -> 131K, 1048576 -> 1.0M: a token count in a few characters."""
+    if tokens < 10_000:
+        return str(tokens)
+    if tokens < 1_000_000:
+        return f"{tokens // 1000}K"
+    return f"{tokens / 1e6:.1f}M"
+
+
 def jobs_table(jobs: "list[JobSummary]", now: float | None = None) -> "Table":
     """A job list: progress for live jobs, the waiting reason of queued ones, the error of
     failed ones."""
     from rich.table import Table
 
     now = time.time() if now is None else now
-    table = Table()
-    table.add_column("job", no_wrap=True)
-    for name in ("kind", "state", "tokens", "model", "document", "age", "note"):
-        table.add_column(name)
+    from rich import box
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    # The short columns keep their words whole (80 columns hold them); on a narrow terminal the
+    # long ones give way: a model path shows its last part, a document name is cut, a note wraps.
+    for name, width in (("job", 12), ("kind", 8), ("state", 9), ("tokens", 6)):
+        table.add_column(name, no_wrap=True, min_width=width)
+    table.add_column("model", overflow="fold", ratio=1)
+    table.add_column("document", overflow="fold", ratio=1)
+    table.add_column("age", no_wrap=True, min_width=4)
+    table.add_column("note", overflow="fold", ratio=2)
     for job in jobs:
         progress = job.progress
-        tokens = f"{progress.processed}/{progress.total}" if progress.total else "-"
+        tokens = f"{count(progress.processed)}/{count(progress.total)}" if progress.total else "-"
         note = job.waiting_reason if job.state == JobState.QUEUED else job.error
         table.add_row(
             job.id,
             job.kind.value,
             job.state.value,
             tokens,
-            job.model or "-",
+            Path(job.model).name if job.model else "-",
             job.document_name or "-",
             format_eta(now - job.created_at),
             note or "",

@@ -147,3 +147,44 @@ def test_status_shows_the_batch_a_job_decodes_in_now(redis_conn):
     for other in ("j2", "j3"):
         warm.ended(group, other)
     redis_conn.hdel(keys.WARM_GROUPS, "g-live")
+
+
+def test_a_job_list_reads_whole_words_at_80_columns():
+    """The short columns (id, kind, state, tokens, age) keep their words whole in an 80-column
+    terminal; a long model path shows its last part and the long columns wrap instead."""
+    import io as text_io
+
+    from rich.console import Console
+
+    from cli.render import jobs_table
+    from jobs.listing import JobSummary
+    from jobs.schemas import Progress
+
+    now = 1_000_000.0
+    done = Progress(phase=JobState.FINISHED, processed=131072, total=131072)
+    jobs = [
+        JobSummary(
+            id="3f2a9c1b7d0e", kind="generate", state="finished", progress=done,
+            created_at=now - 65, updated_at=now, model="/models/deep/path/Qwen2.5-7B-1M/q4.gguf",
+            document_name="annual-report-of-the-company.txt",
+        ),
+        JobSummary(
+            id="a1b2c3d4e5f6", kind="prefill", state="cancelled", progress=done,
+            created_at=now - 5, updated_at=now, model="smollm2", error="cancelled by the user",
+        ),
+    ]  # fmt: skip
+    out = text_io.StringIO()
+    Console(file=out, width=80).print(jobs_table(jobs, now=now))
+    text = out.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for word in (
+        "3f2a9c1b7d0e",
+        "generate",
+        "finished",
+        "cancelled",
+        "131K/131K",
+        "1:05",
+        "q4.gguf",
+    ):
+        assert word in text, word
+    assert "/models/deep" not in text
