@@ -229,7 +229,7 @@ def nodes_table(nodes: list[NodeInfo], reserved_bytes: dict[str, int]) -> "Table
             n.address,
             f"{n.memory_bytes / 1024**3:.1f} GiB",
             f"{reserved_bytes.get(n.name, 0) / 1024**3:.2f} GiB",
-            f"{n.available_bytes / 1024**3:.1f} GiB",
+            f"{(n.available_bytes if n.free_bytes is None else n.free_bytes) / 1024**3:.1f} GiB",
             f"{now - n.heartbeat_at:.1f}s ago",
         )
     return table

@@ -193,6 +193,7 @@ class NodeInfo(_Message):
     backend: Device
     memory_bytes: int  # what ringq may use on this node
     available_bytes: int  # free right now (min of the limit and what the OS reports)
+    free_bytes: int | None = None  # what the OS (or the GPU) reports free, whatever the limit
     address: str  # where this node's ranks listen
     device: str = "cpu"  # what its ranks compute on, e.g. "cuda:1 NVIDIA H200" or "cpu"
     gpu: str | None = None  # the physical GPU it owns, "host/index"; None on CPU and Metal

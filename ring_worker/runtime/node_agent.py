@@ -128,6 +128,7 @@ class NodeAgent:
             backend=self.backend,
             memory_bytes=limit,
             available_bytes=available,
+            free_bytes=free,
             address=self.address,
             device=device if self.backend != "metal" else "metal",
             gpu=None if self.gpu is None else f"{self.host}/{self.gpu}",

@@ -73,3 +73,13 @@ def test_a_job_that_can_never_fit_fails_at_once(store):
     final = wait_for(lambda: final_record(store, record.id), "the job to end")
     assert final.state == JobState.FAILED  # SmolLM2 needs ~1 GiB; each node may use 0.4
     assert "does not fit on the live nodes" in final.error and "has 0.40 GiB" in final.error
+
+
+def test_a_node_under_a_budget_reports_the_os_free_memory_apart(small_cluster, store):
+    """A node limited to a budget below what the OS has free plans with the budget
+    (`available_bytes`) and still reports the OS's free memory (`free_bytes`, the dashboard's
+    "free (OS)"), which is larger here."""
+    budget = int(float(NODE_BUDGET_GIB) * 1024**3)
+    for node in store.live_nodes():
+        assert node.memory_bytes == budget and node.available_bytes <= budget
+        assert node.free_bytes is not None and node.free_bytes > budget

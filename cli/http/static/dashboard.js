@@ -123,7 +123,7 @@ function renderNodes(overview) {
     el("tr", {},
       el("td", {}, n.name), el("td", {}, n.device || n.backend), el("td", {}, n.address),
       el("td", {}, gib(n.memory_bytes)), el("td", {}, gib(n.reserved_bytes)),
-      el("td", {}, gib(n.available_bytes)), el("td", {}, `${(now - n.heartbeat_at).toFixed(1)} s ago`)),
+      el("td", {}, gib(n.free_bytes ?? n.available_bytes)), el("td", {}, `${(now - n.heartbeat_at).toFixed(1)} s ago`)),
   );
   fillTable("#nodes", rows, 7);
   const groups = [...overview.running_groups, ...overview.warm_groups].map((g) =>
