@@ -187,3 +187,33 @@ def test_job_page_shows_timeline_progress_and_result(base_url, page, shots):
         assert job_state(base_url, running_id) == "cancelled"
     finally:
         call("POST", f"{base_url}/api/jobs/{running_id}/cancel")
+
+
+def test_a_long_model_path_leaves_the_cancel_button_on_a_1280_px_screen(cluster, base_url, page):
+    """The job list shows a model path's last part (the whole path on hover), so the progress
+    and Cancel columns stay on a 1280-px screen. The job is recorded and never enqueued: it
+    waits, queued, with its Cancel button, until the test cancels it."""
+    from jobs.redis_server import connect
+    from jobs.schemas import JobKind, JobSpec
+    from jobs.store import JobStore
+
+    model = (
+        "/srv/models/" + "a-very-long-directory-name/" * 4 + "Qwen2.5-7B-Instruct-1M-Q4_K_M.gguf"
+    )
+    store = JobStore(connect(cluster.url))
+    job_id = "longpath" + str(int(time.time()))
+    store.create(job_id, JobSpec(kind=JobKind.PREFILL, document="x", model=model))
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.goto(base_url)
+    cell = page.locator(f"tr:has(a:text('{job_id}')) td.model")
+    cell.wait_for(timeout=WAIT_MS)
+    assert cell.inner_text() == "Qwen2.5-7B-Instruct-1M-Q4_K_M.gguf"
+    assert cell.get_attribute("title") == model
+    button = page.locator(f"button.cancel[data-job-id='{job_id}']")
+    box = button.bounding_box()
+    assert box is not None and box["x"] + box["width"] <= 1280
+    button.click()
+    deadline = time.monotonic() + 60
+    while job_state(base_url, job_id) != "cancelled":
+        assert time.monotonic() < deadline, "the job was not cancelled"
+        time.sleep(0.2)

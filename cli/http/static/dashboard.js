@@ -69,6 +69,14 @@ function rateOf(job) {
   return rate;
 }
 
+// A model path's last part, the whole path on hover: long paths kept the progress and Cancel
+// columns off a 1280-px screen.
+function modelCell(model) {
+  if (!model) return el("td", {}, "-");
+  const short = model.includes("/") ? model.split("/").filter(Boolean).pop() : model;
+  return el("td", { class: "model", title: model }, short);
+}
+
 function progressBar(job) {
   const p = job.progress;
   const total = Math.max(p.total, 1);
@@ -129,7 +137,7 @@ function renderNodes(overview) {
   const groups = [...overview.running_groups, ...overview.warm_groups].map((g) =>
     el("tr", {},
       el("td", { class: "mono" }, g.group_id), el("td", {}, stateBadge(g.state)),
-      el("td", {}, g.model), el("td", {}, `${g.strategy} (${g.kv_layout} KV)`),
+      modelCell(g.model), el("td", {}, `${g.strategy} (${g.kv_layout} KV)`),
       el("td", {}, g.nodes.join(", ")), el("td", {}, (g.devices || []).join(", ") || "-"),
       el("td", {}, g.state === "running" ? jobLink(g.job_id) : "-")),
   );
@@ -143,7 +151,7 @@ function jobLink(jobId) {
 function renderJobs(jobs) {
   const rows = jobs.map((job) =>
     el("tr", { "data-job-id": job.id },
-      el("td", {}, jobLink(job.id)), el("td", {}, job.kind), el("td", {}, job.model || "-"),
+      el("td", {}, jobLink(job.id)), el("td", {}, job.kind), modelCell(job.model),
       el("td", {}, stateBadge(job.state)), el("td", {}, progressBar(job), waitingNote(job)),
       el("td", {}, placementText(job.placement)), el("td", {}, clock(job.created_at)),
       el("td", {}, cancelButton(job.id, job.state, refreshLists))),
