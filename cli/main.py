@@ -98,6 +98,14 @@ def known_error_message(exc: Exception) -> str | None:
 
 
 def validation_message(exc) -> str:
+    """A bad setting names its environment variable and value (settings are read once, as a
+    command starts: `ringq up` stops there, before it starts anything); bad input its field."""
+    if exc.title == "Settings":
+        parts = [
+            f"RINGQ_{str(error['loc'][0]).upper()}={error.get('input')!s}: {error['msg']}"
+            for error in exc.errors()
+        ]
+        return "bad setting " + "; ".join(parts)
     parts = []
     for error in exc.errors():
         where = ".".join(str(p) for p in error["loc"]) or "input"

@@ -87,6 +87,17 @@ def test_bad_input_is_one_line_on_stderr(tmp_path, setup, args, message):
     assert len([line for line in proc.stderr.splitlines() if line.strip()]) <= 2  # click's "Error:"
 
 
+@pytest.mark.parametrize(
+    ("name", "value"), [("RINGQ_MAX_BATCH", "abc"), ("RINGQ_ALLOWED_DIRS", "[1")]
+)
+def test_a_bad_setting_is_named_once_as_a_command_starts(tmp_path, name, value):
+    proc = ringq("up", env_extra={name: value, "RINGQ_HOME": str(tmp_path)}, timeout=60)
+    assert proc.returncode != 0 and proc.stdout == ""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"Error: bad setting {name}={value}: ")
+    assert not (tmp_path / "logs").exists()  # nothing was started
+
+
 def test_submit_status_result_against_a_running_cluster(cluster, doc, tiny_llama_dir):
     env = {"RINGQ_REDIS_URL": cluster.url, "RINGQ_HOME": str(cluster.settings.home)}
     submitted = ringq(
