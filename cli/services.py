@@ -307,6 +307,7 @@ def node(
     if owned:
         os.environ["CUDA_VISIBLE_DEVICES"] = owned[0]
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    check_address(address)
     setup_service(settings)
     url = redis_url_for(settings)
     limit_gib = memory_limit or settings.node_memory_limit_gib
@@ -320,6 +321,21 @@ def node(
         share_gpu=share_gpu,
     )
     agent.run()
+
+
+def check_address(address: str) -> None:
+    """Ranks listen on --address: one this machine does not have would only show up later, as
+    a group whose ranks never join. Binding a throwaway socket (port 0) says so at start."""
+    try:
+        family, kind, _, _, sockaddr = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.bind(sockaddr)
+    except OSError as exc:
+        raise click.BadParameter(
+            f"{address} is not an address of this machine ({exc.strerror or exc}): give one "
+            "of its own that the other nodes reach",
+            param_hint="'--address'",
+        ) from None
 
 
 def parse_gpus(value: str | None) -> list[str]:

@@ -112,13 +112,32 @@ def connect(
     )
     if check:
         try:
+            if ride_out_s > 0:
+                _check_password(url, timeout_s)
             client.ping()
         except redis.RedisError as exc:
             client.close()
-            raise RedisUnavailableError(
-                f"Redis at {redact_url(url)} does not answer: {exc}"
-            ) from exc
+            what = (
+                "refuses the password"
+                if isinstance(exc, redis.AuthenticationError)
+                else ("does not answer")
+            )
+            raise RedisUnavailableError(f"Redis at {redact_url(url)} {what}: {exc}") from exc
     return client
+
+
+def _check_password(url: str, timeout_s: float) -> None:
+    """One PING without retries: redis-py's AuthenticationError is a ConnectionError, so the
+    riding-out client would retry a wrong password for a minute before saying so."""
+    probe = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        probe.ping()
+    except redis.AuthenticationError:
+        raise
+    except redis.RedisError:
+        pass  # down or loading: the retrying PING rides it out
+    finally:
+        probe.close()
 
 
 def is_alive(url: str, *, timeout_s: float = 1.0) -> bool:
