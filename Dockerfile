@@ -1,6 +1,8 @@
 # One image for every ringq service of compose.yaml (dispatcher, node agents, CLI); the
-# `dashboard` stage adds rq-dashboard from the same lock file.
-FROM python:3.11-slim AS ringq
+# `dashboard` stage adds rq-dashboard from the same lock file. BASE_IMAGE: any Debian-like image
+# with python3.11 and pip on PATH (compose.yaml passes RINGQ_BASE_IMAGE).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE} AS ringq
 
 # OpenBLAS: CPU rank processes preload it (fp32 matmul 25-35x faster than MLX's reference BLAS).
 RUN apt-get update \

@@ -24,12 +24,18 @@ class ServiceWorker(SimpleWorker):
 
 
 def service_worker(queue: Queue, conn: redis.Redis, role: str) -> ServiceWorker:
-    return ServiceWorker(
+    worker = ServiceWorker(
         [queue],
         connection=conn,
         serializer=JSONSerializer,
         name=worker_name(role, socket.gethostname(), os.getpid()),
     )
+    if conn.exists(worker.key) and not conn.hexists(worker.key, "death"):
+        # Our own name (host, pid) still registered: a predecessor that died without saying so.
+        # A restarted container gets the same host name and pid 1, and RQ refuses to start a
+        # worker under a live name until its key expires (minutes of restarts under compose).
+        worker.register_death()
+    return worker
 
 
 def worker_name(role: str, host: str, pid: int) -> str:

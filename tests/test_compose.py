@@ -31,6 +31,15 @@ def options_used(args: list[str]) -> list[str]:
     return [arg.split("=", 1)[0] for arg in args if arg.startswith("--")]
 
 
+def test_images_default_to_the_registry_ones(compose):
+    """RINGQ_BASE_IMAGE and RINGQ_REDIS_IMAGE swap in locally built images (no registry)."""
+    services = compose["services"]
+    assert services["redis"]["image"] == "${RINGQ_REDIS_IMAGE:-redis:7}"
+    for name in RINGQ_SERVICES | {"serve", "rq-dashboard"}:
+        args = services[name]["build"]["args"]
+        assert args == {"BASE_IMAGE": "${RINGQ_BASE_IMAGE:-python:3.11-slim}"}, name
+
+
 def test_services_and_profiles(compose):
     services = compose["services"]
     assert set(services) == RINGQ_SERVICES | {"redis", "rq-dashboard", "serve"}
@@ -45,6 +54,7 @@ def test_redis_is_durable(compose):
     assert command[0] == "redis-server"
     assert command[command.index("--appendonly") + 1] == "yes"
     assert command[command.index("--appendfsync") + 1] == "everysec"
+    assert command[command.index("--protected-mode") + 1] == "no"  # whatever the image's default
     volume = redis["volumes"][0].split(":")
     assert volume[1] == "/data" and volume[0] in compose["volumes"]  # a named volume
 
@@ -101,7 +111,8 @@ def test_dashboard_options_exist(compose):
 
 def test_dockerfile_stages():
     text = (ROOT / "Dockerfile").read_text()
-    assert "FROM python:3.11-slim AS ringq" in text and "FROM ringq AS dashboard" in text
+    assert "ARG BASE_IMAGE=python:3.11-slim" in text and "FROM ${BASE_IMAGE} AS ringq" in text
+    assert "FROM ringq AS dashboard" in text
     assert "uv sync --frozen --no-dev" in text and "libopenblas0-pthread" in text
 
 
