@@ -165,10 +165,6 @@ class BatchDecoder:
         None: one row steps through mlx-lm's own path (its gemv), as one at a time runs it."""
         return self.compiled if rows > 1 else None
 
-    def remaining(self) -> dict[str, int]:
-        """Each row's tokens still to decode, at most (a stop may end it sooner)."""
-        return {s.request.key: s.request.max_tokens - len(s.tokens) for s in self._rows}
-
     def add(self, request: DecodeRequest, prefill: PrefillResult) -> None:
         """Join at the next step (call between steps, on every rank in the same order). The
         prefill's KV is copied into the batch now and its first token sampled from its logits;

@@ -58,9 +58,6 @@ class StallWatch:
         records = live_on_group(self.store, job_ids, group.group_id)
         return self.check_records(group.group_id, records)
 
-    def check_record(self, group_id: str, record: JobRecord | None) -> str | None:
-        return self.check_records(group_id, [] if record is None else [record])
-
     def check_records(self, group_id: str, records: list[JobRecord]) -> str | None:
         """A group with several jobs (a batch) progresses while any of them does."""
         started = [r for r in records if _started_on(r, group_id)]
