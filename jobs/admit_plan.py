@@ -2,44 +2,29 @@
 a job that can never fit raises AdmissionError (Reject). jobs/dispatcher.py commits the result.
 
 How a layout is chosen (the reason is stored on the placement and shown by `ringq status`):
-- a prompt shorter than RINGQ_RING_MIN_TOKENS, or a retry, takes the fewest nodes that fit;
-- a backlog on GPUs (at least as many jobs waiting as there are free GPUs) also takes the fewest
-  nodes: a ring of N finishes one job about 0.95 N times faster than one GPU (ring-2 was 1.90x
-  single on 2xH200), so N jobs side by side finish a backlog sooner than N rings one by one;
-- otherwise a long prompt takes as many nodes as fit (fastest prefill: a lone 128K job rings).
-- a retry whose checkpoint's nodes are all live goes back to them, in the checkpoint's layout
-  and rank order, to continue from it (a checkpoint outranks "fewest nodes"); else anywhere.
-  Not after a multi-node group stalled: that may have been a cut link between those nodes.
-- a kept prefix (automatic prefix reuse, jobs/prefix_cache.py "Placement"): the job waits for an
-  in-flight prefill of the same prefix, prefers the nodes that keep it, and only the tokens left
-  to compute count against RINGQ_RING_MIN_TOKENS.
+- a prompt shorter than RINGQ_RING_MIN_TOKENS, a retry, or a backlog on GPUs (at least as many
+  jobs waiting as free GPUs) takes the fewest nodes that fit: a ring of N finishes one job about
+  0.95 N times faster than one GPU, so N jobs side by side clear a backlog sooner;
+- otherwise a long prompt takes as many nodes as fit (a lone 128K job rings);
+- a retry whose checkpoint's nodes are all live goes back to them, in the checkpoint's layout and
+  rank order, unless a multi-node group stalled (that may have been a cut link between them);
+- a kept prefix (jobs/prefix_cache.py): the job waits for an in-flight prefill of the same prefix
+  (`wait_for_pending`), prefers the nodes that keep it but never waits for them (a recompute is
+  bounded by one prefill), and only the tokens left to compute count against
+  RINGQ_RING_MIN_TOKENS;
 - continuous batching (RINGQ_MAX_BATCH > 1): a generate job first tries to join a busy group of
-  its model and layout (`plan_joins`: single, or a ring with replicated KV); where none takes
-  it, the paths above. Who decides a join, in order:
-  1. memory, here: a group takes the job only while its batch is under its limit
-     (settings.group_batch_limit) and its nodes have the bytes to grow its reservation by the
-     job's row (every row as long as the longest, slots doubling), leaving the head's hold;
-  2. the commit, jobs/warm_groups.py: one Lua script grows the reservation and hands the job to
-     the group's ranks, or refuses when the group retired or the bytes went meanwhile;
-  3. the group's lead rank (ring_worker/runtime/batch_serve.py `agreed_joins`): between two
-     decode steps it takes every job handed over, one collective tells the other ranks how
-     many, and the ranks vote that each is still placed on them. There is no latency budget:
-     a join stalls the members for the joiner's prefill, which the throughput it adds repays.
-- the head of the queue (EASY backfill, as in Slurm): the oldest job (by created_at; retries ahead
-  of first attempts: jobs/memory_waits.py) waiting for memory (it fits an empty cluster, not the
-  cluster now) holds what it needs on the nodes it waits for (`Wait.hold`; jobs/memory_waits.py
-  keeps it and the dispatcher passes it as `Cluster.head`). To a later job the hold is a group of
-  its own there (jobs/head_hold.py): its bytes and a group slot, so a GPU the head waits for runs
-  nothing else, and a held CPU node takes a later job only in the bytes beyond the head's need.
-  Other nodes, and idle warm groups off the held nodes, serve later jobs as usual. A later job
-  joins a running group only where the head keeps its bytes and a slot beside it (never on a GPU it
-  waits for: the join would keep that group running). The head and older jobs plan as if no hold
-  were there, so a head is never blocked by its own hold, and it waits only for the groups that were
-  on its nodes when it took them. The hold keeps to the nodes it first took (those with room then,
-  then the first busy ones by name): it does not wander from a node about to free. Jobs waiting for
-  a kept prefix's prefill, for nodes to come back or for idle groups to make way hold nothing; a
-  hold ends when its job is placed, fails or is cancelled.
-"""
+  its model and layout (`plan_joins`). Here a group takes it only while its batch is under
+  settings.group_batch_limit and its nodes can grow the reservation by the job's row; the commit
+  (jobs/warm_groups.py) may still refuse, and the lead rank takes it between decode steps
+  (ring_worker/runtime/batch_serve.py `agreed_joins`);
+- the head of the queue (EASY backfill, as in Slurm): the oldest job waiting for memory (it fits
+  an empty cluster, not the cluster now; jobs/memory_waits.py) holds what it needs on the nodes it
+  waits for (`Wait.hold`). To a later job the hold is a group of its own there
+  (jobs/head_hold.py), so a GPU the head waits for runs nothing else and a later job joins a
+  running group only where the head keeps its bytes and a slot. The head plans as if no hold
+  were there; the hold keeps to the nodes it first took and ends when its job is placed, fails
+  or is cancelled. Jobs waiting for a prefix's prefill, for nodes to come back or for idle groups
+  to make way hold nothing."""
 
 import sys
 from dataclasses import dataclass, field, replace
@@ -196,9 +181,8 @@ def plan_memory_wait(
             return wait
         raise AdmissionError(str(never)) from None
     hold = dict.fromkeys(waited.nodes, waited.bytes_per_node)
-    # idle groups make way only for a job that would then fit: one behind the head would not,
-    # and evicting the warm group the head is about to reuse costs the head a cold start
-    # (one H200, 32 jobs one at a time: a fresh group for every job)
+    # idle groups make way only for a job that would then fit: evicting the warm group the head
+    # is about to reuse costs the head a cold start
     behind = behind_head(job, cluster)
     evict = [group for group, _ in cluster.idle] if fits_now(job, behind, request, settings) else []
     reason = f"waiting for memory that running groups hold (or for a free GPU): {busy}"

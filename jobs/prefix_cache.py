@@ -1,74 +1,25 @@
 """Automatic prefix reuse: which kept KV prefix a job's prompt can start from.
 
-Design
-------
-Keys. A prompt is cut into fixed blocks of BLOCK_TOKENS = 256 tokens; block i's key is
-sha256(key of block i-1 || token ids of block i), seeded with the model's identity
-(`model_key`: the model name, plus size and mtime for a file on disk), as vLLM's automatic prefix
-caching does. Equal keys mean equal prefixes, so the longest kept prefix of a prompt is its
-longest run of keys present in the index (one pipelined round trip). 256 because:
-- it is mlx-lm's KVCache growth step and LMCache's chunk size;
-- a 128K document has 512 keys (cheap to hash and to look up);
-- a question that diverges inside a document loses at most 255 tokens of reuse at block level,
-  and none in practice: keys only *find* an entry; the rank then compares the entry's own tokens
-  with the prompt and reuses the exact common prefix, mid-block included (`exact_reuse_tokens`).
-  Prompts shorter than one block are never matched (nothing worth reusing).
+Keys: a prompt is cut into blocks of BLOCK_TOKENS; block i's key is sha256(key of block i-1 ||
+its token ids), seeded with the model's identity (`model_key`), as vLLM's automatic prefix caching
+does, so a prompt's longest kept prefix is its longest run of keys in the index (one pipelined
+round trip). 256 is mlx-lm's KVCache growth step and gives a 128K document 512 keys. Keys only
+find an entry: the rank then reuses the exact common prefix, mid-block included
+(`exact_reuse_tokens`). Prompts shorter than one block are never matched.
 
-Entries. One job's kept prompt KV is one `CacheEntry` (named by the job that computed it), made
-of one or more `CacheShard` files, each holding some layers (all but for a pipeline stage) at
-some token positions (all but for a sharded ring rank: its zigzag blocks, in cache order):
-- single / ring-N replicated: rank 0 keeps one shard with everything;
-- ring-N sharded: every rank keeps its own shard (its positions recorded as ranges);
-- pipeline-N: every stage keeps its layers at every position.
-Attention over a past is order-free (keys carry RoPE at absolute positions; the past is wholly
-visible), so any layout can be rebuilt from any other by cutting and concatenating
-(ring_worker/engine/kv_reshard.py): a ring-2 sharded cache answers on one node, a single cache
-seeds a
-ring-3 sharded one, etc., as long as the shard files can be read where the ranks run.
+Entries: one job's kept prompt KV is one `CacheEntry` of `CacheShard` files, each holding some
+layers at some positions (rank 0 holds everything for single and replicated rings; every rank its
+zigzag blocks for a sharded ring; every stage its layers for a pipeline). Attention over a past is
+order-free, so any layout is rebuilt from any other by cutting and concatenating
+(ring_worker/engine/kv_reshard.py), wherever the ranks can read the files.
 
-Index (Redis, jobs/prefix_index.py, names in jobs/keys.py): block key -> set of entry ids;
-entry id -> JSON CacheEntry; entry id -> its prompt tokens (for the exact, mid-block match);
-a sorted set of entries by last use for `ringq cache list`. Nothing is pickled.
+The index is jobs/prefix_index.py, the files ring_worker/runtime/cache_store.py, placement by a
+kept or in-flight prefix jobs/admit_plan.py, the in-memory copy ring_worker/engine/memory_tier.py.
 
-Store (ring_worker/runtime/cache_store.py): per node agent, RINGQ_HOME/caches/<node>/, mlx-lm's
-prompt
-cache format (save_prompt_cache / load_prompt_cache, safetensors with string metadata), a byte
-budget RINGQ_CACHE_BYTES (default: half of the disk's free space plus the store's own files, when
-the store opens). Before a file is written, least-recently-used files are deleted until the new
-one fits, unpinned first, pinned (--keep-cache) last; a file larger than the whole budget is not
-kept and evicts nothing. Writes go to a
-temporary name in the same directory (counted by the estimate) and are renamed. A file that does
-not load (corrupt, truncated, wrong shapes) is logged, deleted and treated as absent: the job
-recomputes.
-
-Placement (jobs/admit_plan.py, from a `PrefixHint` the dispatcher reads per job):
-- a job whose prefix another job is prefilling right now, standing for at least half its prompt
-  beyond what is kept, waits for it (`wait_for_pending`): the wait is at most that prefill, which
-  it would otherwise repeat. So `--prompt Q1 --prompt Q2 ...` and batch lines sharing a document
-  give one prefill; the others then start from its KV (in the warm group's memory, or on disk);
-- a job with a kept prefix prefers the nodes (and idle warm groups) that hold it, among those that
-  can take it now; it never waits for them: if they are busy it runs elsewhere and reshards the
-  files there if it can read them, else recomputes (a wait for busy nodes is unbounded, a
-  recompute is bounded by one prefill);
-- the ring-or-single choice counts only the tokens left to compute (a question on a kept 128K
-  document runs on one node).
-
-Memory tier: a rank holds the previous job's prompt KV (one, in memory); a warm group's next job
-on the same document starts from it without reading a file. It counts against the group's
-reservation (ring_worker/engine/memory_tier.py): beside a job it holds at most (the group's reserved
-bytes per node - that job's own estimate, both on the placement); a larger copy leaves memory
-before the prefill (its file, where one was kept, stays on disk), and a job that starts from the
-copy takes it over. A job that joins a decoding batch can also start from a member's row: the
-longest shared prompt prefix, copied out of the batch's KV only where it is longer than the
-memory copy (ring_worker/batch_serve.member_row_prefix); the copy is that job's own KV.
-
-When is a prompt kept: every job's prompt KV in memory; on disk unless writing the file and
-reading it back would be slower than recomputing the prompt (`worth_a_file`: a GPU's), or it adds
-less than KEEP_MIN_NEW_FRACTION of its prompt beyond the prefix it reused (the eight questions of
-one document keep the document once, not eight times; a conversation that grows by a few turns
-reuses the older entry and recomputes a little more). RINGQ_PREFIX_CACHE=off turns matching and
-keeping off.
-"""
+Every prompt's KV is kept in memory; on disk unless writing and reading the file back is slower
+than recomputing it (`worth_a_file`), or it adds less than KEEP_MIN_NEW_FRACTION beyond the prefix
+it reused (eight questions on one document keep the document once). RINGQ_PREFIX_CACHE=off turns
+matching and keeping off."""
 
 import hashlib
 from array import array
@@ -84,12 +35,8 @@ BLOCK_TOKENS = 256
 KEEP_MIN_NEW_FRACTION = 0.25
 WAIT_MIN_FRACTION = 0.5  # of a prompt an in-flight prefill must stand for, for a job to wait
 PENDING_TTL_S = 3600.0  # an in-flight marker's safety expiry (one of an ended job is ignored)
-# Reading a kept file back: 16 GiB in 6-9 s on an H200 (the 128K prefix cell of
-# docs/prefix-reuse.md), page cache aside; CPU nodes read as fast and prefill far slower.
-READ_BYTES_PER_S = 2e9
-# Writing one, on the group's compute path after its job: 17.2 GB in 18.0 s on an H100 host
-# (a 128K prompt of the 8B shape); the same file held its group for 29 s on an H200.
-WRITE_BYTES_PER_S = 1e9
+READ_BYTES_PER_S = 2e9  # a 128K prompt's 16 GiB file reads back in 6-9 s on an H200
+WRITE_BYTES_PER_S = 1e9  # and writes in 18 s on an H100 host, on the group's compute path
 PENDING_GRACE_S = 60.0  # a finished job's marks still count this long (its KV is being kept)
 
 Layout = Strategy  # the layout an entry was kept by: the strategy that prefilled it
@@ -162,10 +109,8 @@ class PrefixHint:
 
 
 def wait_for_pending(hint: PrefixHint, prompt_tokens: int) -> str | None:
-    """Why to wait for an in-flight prefill of this prompt's prefix, or None to go ahead.
-    Waiting when it stands for at least half the prompt beyond what is kept costs at most that
-    job's remaining prefill: about what this job would spend computing the same tokens, while
-    the waiting leaves the nodes to other work."""
+    """Why to wait for an in-flight prefill of this prompt's prefix, or None to go ahead: the
+    wait costs at most that prefill, which this job would otherwise repeat."""
     gain = hint.pending_tokens - hint.kept_tokens
     if hint.pending_job is None or gain < WAIT_MIN_FRACTION * prompt_tokens:
         return None
@@ -223,11 +168,10 @@ def worth_keeping(prompt_tokens: int, reused_tokens: int) -> bool:
 
 def worth_a_file(recompute_s: float, file_bytes: int) -> bool:
     """Whether a disk copy of a prompt's KV pays for itself at its first reuse: writing it (the
-    group waits for that) and reading it back must beat recomputing the prompt. On a GPU it
-    does not: an H200 prefills a 4K prompt of the 8B shape in ~0.1 s (its 0.5 GB file reads in
-    ~0.25 s), and a 128K one in ~11 s, while its 16 GiB file takes ~17 s to write and 6-9 s to
-    read; a GPU group keeps the prompt in memory only, for its next job. A CPU node prefills
-    ~100x slower and keeps its files. Unknown (0) times keep the file."""
+    group waits for that) and reading it back must beat recomputing the prompt. On a GPU it does
+    not (an H200 prefills 128K tokens of the 8B shape in ~11 s; the file takes ~17 s to write),
+    so a GPU group keeps the prompt in memory only; a CPU node prefills ~100x slower and keeps its
+    files. Unknown (0) times keep the file."""
     seconds = file_bytes / READ_BYTES_PER_S + file_bytes / WRITE_BYTES_PER_S
     return recompute_s <= 0 or seconds < recompute_s
 

@@ -1,33 +1,24 @@
 """Warm groups: a group whose job finished stays loaded for RINGQ_GROUP_IDLE_S, and the next job
 for the same model and layout runs on it: no processes to start, no weights to load.
 
-In Redis, keys.WARM_GROUPS maps a group id to a WarmGroup while it may take jobs. Its rank 0
+In Redis, keys.WARM_GROUPS maps a group id to a WarmGroup while it may take jobs; its rank 0
 keeps keys.group_idle alive (a short TTL) exactly while it waits. Every rank blocks on its own
-list keys.group_next (in Redis, not in a collective: MLX's ring backend spins a core
-while it waits). The dispatcher claims an idle group by deleting the idle key and pushing the job
-id to every rank's list in one script; rank 0 retires the group the same way, so a group never
-gets a job after it retired, nor two at once, and every rank sees the same words in the same
-order. An empty word asks the group to retire (idle too long, or its memory is wanted by a job
-of another shape).
+list keys.group_next (in Redis, not in a collective: MLX's ring backend spins a core while it
+waits). The dispatcher claims an idle group by deleting the idle key and pushing the job id to
+every rank's list in one script; rank 0 retires the group the same way, so a group never gets a
+job after it retired, nor two at once, and every rank sees the same words in the same order. An
+empty word asks the group to retire.
 
-Batching (RINGQ_MAX_BATCH > 1): a busy group that was offered takes more jobs of its model and
-layout: `join` pushes the job id the same way while keys.group_batch (the jobs it runs now)
-holds fewer than the limit, and never to an idle or retired group. Its ranks take such words
-between decode steps (`joined`), so a job joins the batch at the next step. The batch is also
-the list of jobs the reconciler retries when the group is lost (jobs/recovery.py).
+Batching (RINGQ_MAX_BATCH > 1): `join` pushes a job to a busy group the same way while
+keys.group_batch holds fewer than the limit; its ranks take such words between decode steps
+(`joined`). The batch is also the list of jobs the reconciler retries when the group is lost.
 
-Memory: the batch's KV lives in one buffer per layer (ring_worker/engine/batch_cache.py) of `slots`
-rows, each as long as the longest row it has held (its prompt and answer) plus the longest
-answer, in 256-token steps (admission.estimate `batch_buffer_tokens`: rows are aligned at their
-ends); rows double when a job joins a full buffer, and halve as jobs leave half or more of them
-free, and the buffer is dropped when the batch is empty. keys.group_batch_buffer models the buffer
-at its largest (a shrunk buffer may grow back, so its bytes stay reserved): the first job records
-its row (`started`), and each `join` grows the group's reservation on every node, in the same
-script, to the whole buffer after the join (every row, the first included, at the longest
-row's length: a joining job's prefill then runs in the room the first job's estimate holds),
-or refuses the job when a node's budget cannot hold that. The bytes come back when the last
-job of the batch leaves (`ended`), as the buffer is dropped, not job by job.
-"""
+Memory: keys.group_batch_buffer models the batch's KV buffer (ring_worker/engine/batch_cache.py)
+at its largest, since a shrunk buffer may grow back: the first job records its row (`started`),
+and each `join` grows the group's reservation on every node, in the same script, to the whole
+buffer after the join (every row at the longest row's length, admission.estimate
+`batch_buffer_tokens`), or refuses the job when a node's budget cannot hold that. The bytes come
+back when the last job of the batch leaves (`ended`)."""
 
 import logging
 import time
@@ -88,14 +79,10 @@ return 1
 # KEYS: idle, warm index, batch hash, buffer hash, each node's reserved hash (ARGV[7] of them),
 # then each rank's list. ARGV: group id, job id, max batch, the job's own row's bytes, its row's
 # positions and its answer's, node count, the buffer's growth step (positions), then each node's
-# capacity. A busy group (offered, not
-# idle, not retired) takes one more job while its batch has room and every node's reservations
-# (all of them, expired leases too: conservative) can grow to hold the buffer after the join: as
-# many rows as ring_worker/engine/batch_cache.py then allocates (doubling), each of the longest
-# row's
-# positions plus the longest answer's, in growth steps (admission.estimate
-# `batch_buffer_tokens`), at the job's bytes per position (the same for every row of the group;
-# its own row's bytes are for its positions in growth steps).
+# capacity. A busy group (offered, not idle, not retired) takes one more job while its batch has
+# room and every node's reservations (expired leases too: conservative) can grow to hold the
+# buffer after the join: as many rows as batch_cache.py then allocates (doubling), each of the
+# longest row's positions plus the longest answer's, at the job's bytes per position.
 _JOIN = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return 0 end

@@ -1,32 +1,21 @@
 """Continuous batching: several prefilled sequences decode together, one forward pass per step.
 
-Design (after reading mlx-lm 0.32's BatchGenerator / BatchKVCache and this engine):
-- Prefill stays per sequence (`Engine.prefill`, ring or single): mlx-lm's batched prefill
-  measured ~3x slower than prefilling one after another on an H200.
-- A prefilled sequence joins the batch at the next step: its K/V is copied into one row of a
-  `BatchCache` (ring_worker/engine/batch_cache.py; rows are aligned at their ends, so one
-  slice update stores a step's K/V for all; only a joiner longer than every row moves the
-  others, once), and its first token is sampled from its prefill logits.
-- One step = one forward pass of plain mlx-lm modules over all rows ((rows, 1) tokens), per-row
-  sampling (its own temperature and PRNG key), and one vote: the sampling rank's tokens and every
-  rank's per-row stop flags, summed over ranks in one collective (`Engine._vote`, batched).
-- As in mlx-lm's generate_step, step t + 1 is queued (async_eval) before step t's vote is read
-  on the host, so the device never waits for Python; a row that finishes at t wastes one row-step.
-- A row leaves as soon as its vote is read: stop token, max_tokens, or cancel (then only that
-  sequence gets `cancelled`). Its row is freed at once (the last row moves into it). Where
-  half the slots or more stand free, the buffers shrink to the fewest slots (halving) that hold
-  the rows, above the slots reserved up front: a compiled step runs every slot, and on an H100
-  (8B, ~4K-token rows) 2 rows stepped in 8.2 ms in 2 slots and 12.4 in 32 (bench.probes.slots).
-  When the last row leaves they are dropped.
-- Rows of different lengths attend through a boolean mask on the CPU and Metal; on CUDA, where
-  MLX's fused SDPA takes no mask, through ring_worker/engine/rows_attention.py's kernels instead.
+- Prefill stays per sequence (`Engine.prefill`): mlx-lm's batched prefill measured ~3x slower
+  than prefilling one after another on an H200.
+- A prefilled sequence joins at the next step: its K/V is copied into one row of a `BatchCache`
+  (ring_worker/engine/batch_cache.py) and its first token is sampled from its prefill logits.
+- One step is one forward pass of plain mlx-lm modules over all rows, per-row sampling, and one
+  vote (`Engine._vote`): the sampling rank's tokens and every rank's stop flags in one collective.
+  As in mlx-lm's generate_step, step t + 1 is queued before step t's vote is read, so the device
+  never waits for Python; a row that finishes at t wastes one row-step.
+- A row leaves as soon as its vote is read (stop token, max_tokens, or cancel) and the last row
+  moves into its slot. Where half the slots or more stand free the buffers halve, since a
+  compiled step runs every slot (on an H100, 2 rows stepped in 8.2 ms in 2 slots and 12.4 ms in
+  32); when the last row leaves they are dropped.
 - Every rank must add the same sequences in the same order; rows then stay identical on every
   rank, since leaving depends only on the agreed votes.
-Layouts: single and ring with replicated KV (every rank holds every sequence's whole KV; decode
-is plain mlx-lm on every rank). Sharded-KV ring and pipeline decode one sequence at a time
-(`batch_decode_supported`): a sharded step merges per-rank partial attention around one step
-owner per sequence, and a pipeline step travels rank to rank; neither is batched yet.
-"""
+Layouts: single and ring with replicated KV. Sharded-KV ring and pipeline decode one sequence at
+a time (`batch_decode_supported`)."""
 
 import itertools
 import statistics
@@ -130,10 +119,8 @@ class BatchDecoder:
         on_emptied: EmptiedHook | None = None,
     ):
         """`max_batch`, if known, reserves that many rows up front (growing the KV buffers later
-        copies every row). `compiled`: steps of two or more rows run layer by layer as compiled
-        functions (ring_worker/engine/compiled_step.py); by default where the rows kernels run
-        (CUDA),
-        and possible wherever every layer has rows attention."""
+        copies every row). `compiled`: steps of two or more rows run as compiled functions
+        (ring_worker/engine/compiled_step.py); by default where the rows kernels run (CUDA)."""
         if not batch_decode_supported(engine):
             raise ValueError(f"{type(engine).__name__} with this KV layout cannot batch decode")
         self.engine = engine
@@ -307,8 +294,7 @@ class BatchDecoder:
     def _release(self) -> None:
         """The batch is empty: drop its KV buffers (they outlive rows that come and go) and
         MLX's cache of freed buffers, so an idle group holds no more than its weights and what
-        `on_emptied` kept (the memory tier's prompt, within the row its reservation keeps; the
-        batch share is given back as its last job leaves: jobs/warm_groups.py)."""
+        `on_emptied` kept."""
         self.cache = BatchCache(len(self.engine.model.layers), self._slots)
         mx.clear_cache()
 
@@ -318,9 +304,7 @@ def warm_up(engine: Engine, max_batch: int = max(MEASURED_ROWS)) -> dict[int, fl
     together and leave at different steps; then MEASURED_ROWS rows (those up to `max_batch`) of
     different lengths decode MEASURED_STEPS steps each, in as many slots. Returns seconds per
     step by row count (the medians, short rows), for the group's log. Without it, a fresh GPU
-    process compiles its kernels (NVRTC: gathers, scatters, fused elementwise, the
-    mixed-length attention; 1-4 s each) inside its first batch's steps: py-spy of a 32-job
-    batch on an H200 put 54 % of rank 0's samples in NVRTC."""
+    process compiles its kernels (NVRTC, 1-4 s each) inside its first batch's steps."""
     decoder = BatchDecoder(engine)
     for row, length in enumerate(WARM_UP_LENGTHS):
         request = DecodeRequest(key=str(row), max_tokens=row + 2)

@@ -1,21 +1,15 @@
 """Prefill checkpoints on local disk, so that a retried job continues instead of starting over.
 
-Every `every_tokens` prompt tokens, at a chunk boundary, each rank saves the part of its KV
-caches added since its previous checkpoint (and the few numbers its strategy needs to continue,
-e.g. a ring's per-rank lengths) as one segment,
-`RINGQ_HOME/checkpoints/<job>/<node>/<layout>-rank<r>-<start>-<end>.safetensors` (mlx-lm's
-prompt-cache format; without a node, as for tests, straight in the job's folder); a checkpoint is
-the chain of segments from token 0. Writing only the new part keeps
-the cost per token constant: rewriting the whole cache each time grew with the prompt (a
-checkpoint at 1M tokens would write the whole 1M again; bench/checkpoint_cost.py). The compute
-thread only materialises the new slices; a writer thread writes them to a temporary file and
-renames it into place, so a crash mid-write leaves the chain before it whole. A node's segments
-count against its own disk budget, RINGQ_CHECKPOINT_BUDGET_BYTES (past it, the rank's chain stops
-growing), and are deleted when the job ends. The budget is not the kept caches'
-(RINGQ_CACHE_BYTES): that store is full in its steady state (least recently used files go only
-when a new one needs room), so a checkpoint would have to evict kept caches, whose index entries
-live in Redis, which the writer here (engine side) does not reach: they would go stale.
-"""
+Every `every_tokens` prompt tokens, at a chunk boundary, each rank saves the part of its KV caches
+added since its previous checkpoint (with the few numbers its strategy needs to continue) as one
+segment, `RINGQ_HOME/checkpoints/<job>/<node>/<layout>-rank<r>-<start>-<end>.safetensors` (mlx-lm's
+prompt-cache format); a checkpoint is the chain of segments from token 0. Writing only the new
+part keeps the cost per token constant. The compute thread only materialises the new slices; a
+writer thread writes them to a temporary file and renames it, so a crash mid-write leaves the
+chain before it whole. A node's segments count against RINGQ_CHECKPOINT_BUDGET_BYTES (past it the
+rank's chain stops growing) and are deleted when the job ends. It is not the kept caches' budget
+(RINGQ_CACHE_BYTES): that store is full in its steady state, and evicting from it here would
+leave its index entries in Redis, which the engine does not reach, stale."""
 
 import contextlib
 import logging
@@ -160,10 +154,8 @@ def checkpoint_bytes(home: Path, node: str | None = None) -> int:
 
 def snapshot(cache: list[Any], from_offset: int = 0) -> list[KVCache]:
     """Evaluated copies of the caches' part from `from_offset` to their end, safe to write while
-    prefill goes on: new arrays, never views of the cache's own buffers. A slice is a view: held
-    until written, it kept each layer's whole buffer alive (when the cache grew, the old one
-    too), so a 128K-token prefill of the 8B shape on one H200 peaked 14 GiB higher with
-    checkpoints on (docs/checkpoints.md)."""
+    prefill goes on: new arrays, never views, since a held slice keeps each layer's whole buffer
+    alive (a 128K-token prefill on one H200 peaked 14 GiB higher with views)."""
     copies = []
     for layer in cache:
         if type(layer) is not KVCache:
@@ -204,17 +196,12 @@ class Checkpointer:
     ):
         """`after_s`: checkpoints are taken only in a prefill the ranks project (after its first
         step, `decide`) to take at least this many seconds more; 0: in every prefill.
-        `node`: the node this rank runs on; its parts go to the node's folder, and
-        `budget_bytes` bounds the parts of that node's ranks (without a node: every checkpoint
-        under `home`). `on_change(tokens)`: called (from the writer thread) once the checkpoint
-        reaches `tokens` prompt tokens on disk, and with 0 once it is deleted; the service
-        records there which node holds the part (jobs/checkpoint_marks.py). `skip_while_busy`:
-        no checkpoint is due while the writer still writes the last one, so the prefill does not
-        wait for the disk (the next segment covers more tokens) -- until the unsaved part reaches
-        `max_segment_tokens`: then one is due anyway, and the prefill waits while two segments'
-        copies are held (one being written, one queued). Memory held for checkpoints is then at
-        most 2 x max_segment_tokens of this rank's KV (admission counts it:
-        admission/estimate.checkpoint_held_tokens)."""
+        `node`: its parts go to the node's folder, and `budget_bytes` bounds that node's parts.
+        `on_change(tokens)`: called from the writer thread once the checkpoint reaches `tokens` on
+        disk, and with 0 once it is deleted. `skip_while_busy`: no checkpoint is due while the
+        writer still writes the last one, until the unsaved part reaches `max_segment_tokens`; so
+        at most 2 x max_segment_tokens of this rank's KV is held for checkpoints (admission counts
+        it: admission/estimate.checkpoint_held_tokens)."""
         if every_tokens <= 0:
             raise ValueError(f"every_tokens must be positive, got {every_tokens}")
         self.home, self.job_id, self.layout, self.rank = home, job_id, layout, rank
@@ -398,9 +385,8 @@ def agree_on_resume(resume: Resume | None, gather: Callable[[int], list[int]]) -
 
 def end_checkpoints(saver: Checkpointer | None, keep: bool) -> None:
     """After the prefill: keep this rank's segments for a retry (`keep`: the prefill failed),
-    waiting for the writer; or drop them without waiting (finished, cancelled): on an H100 a
-    128K prompt's writer still held a queued 2-4 GB segment as the prefill ended, and a job's
-    end that waited for it waited 9 s for a file it then deleted."""
+    waiting for the writer; or drop them without waiting (finished, cancelled), since the writer
+    may still hold a queued 2-4 GB segment (a 9 s wait for a file then deleted, on an H100)."""
     if saver is None:
         return
     if keep:

@@ -2,13 +2,9 @@
 
 - `Engine`: one device, plain mlx-lm modules (the `single` strategy and the baseline).
 - `RingEngine`: sequence parallel; every rank holds every layer, attention is ring attention.
-- `PipelineEngine` (ring_worker/engine/pipeline.py): layers split over ranks, chunks flow rank to
-rank.
-`ring_worker/engine/strategies.py` picks one for a group.
-
+- `PipelineEngine` (ring_worker/engine/pipeline.py): layers split over ranks.
 The loops (chunking, progress, agreeing on a stop, sampling) live here once; a strategy says how
-one prefill step and one decode step run, and which rank holds the last position.
-"""
+one prefill step and one decode step run, and which rank holds the last position."""
 
 import json
 import time
@@ -113,14 +109,11 @@ class Engine:
         resume: Resume | None = None,
     ) -> PrefillResult:
         """Chunked prefill. Progress goes (0, total), then once per chunk up to (total, total) on
-        every rank, for every strategy. `should_stop`, if given, must be given on every rank: the
-        ranks agree on it (one tiny collective) after every step and raise Cancelled together.
-        `cache`: this rank's KV cache of earlier tokens that `tokens` continue, in this engine's
-        layout (ring_worker/engine/kv_reshard.py builds one from a kept prefix); every rank passes
-        one
-        or none. `checkpoints`: save this rank's caches at chunk boundaries as it asks; `resume`:
-        continue from such a checkpoint of the same prompt, chunk size and layout (single and
-        ring; its result then names no added positions, so prefix reuse keeps nothing of it)."""
+        every rank. `should_stop`, if given, must be given on every rank: the ranks agree on it
+        after every step and raise Cancelled together. `cache`: this rank's KV of earlier tokens
+        that `tokens` continue, in this engine's layout (every rank passes one or none).
+        `checkpoints`: save this rank's caches at chunk boundaries as it asks; `resume`: continue
+        from such a checkpoint of the same prompt, chunk size and layout (single and ring)."""
         if not tokens:
             raise ValueError("cannot prefill an empty prompt")
         started = time.perf_counter()
@@ -243,12 +236,10 @@ class Engine:
         should_stop: StopFn | None = None,
         stop_when: Callable[[list[int]], bool] | None = None,
     ) -> DecodeResult:
-        """`stop_when(tokens)` ends decoding after a token (stop strings); it must answer the
-        same on every rank (the tokens are the same everywhere). Every rank takes part in every
-        step. A step's vote (the sampling rank's token and
-        every rank's stop flag, one collective) stays on the device and feeds the next step,
-        which is queued before the vote is read on the host (mlx-lm's async_eval overlap): the
-        device never waits for Python. On a stop token one queued step is wasted, as in mlx-lm."""
+        """`stop_when(tokens)` ends decoding after a token (stop strings); it must answer the same
+        on every rank. A step's vote stays on the device and feeds the next step, which is queued
+        before the vote is read on the host (mlx-lm's async_eval overlap), so the device never
+        waits for Python; on a stop token one queued step is wasted, as in mlx-lm."""
         started = time.perf_counter()
         mx.random.seed(seed)
         sampler = make_sampler(temp=temperature)

@@ -1,16 +1,13 @@
-"""Continuous batching in a warm group: the serve loop of a group whose layout decodes
-in batches (single; ring with replicated KV) when RINGQ_MAX_BATCH > 1.
+"""Continuous batching in a warm group: the serve loop of a group whose layout decodes in batches
+(single; ring with replicated KV) when RINGQ_MAX_BATCH > 1.
 
-- Each job is prefilled alone (`prefill_job`, ring or single), then joins the
-  `BatchDecoder` (ring_worker/engine/batch_decode.py) at the next step; a prefill job runs whole
-  (`run_job`).
-- Between two decode steps every rank takes the jobs the dispatcher handed to the busy group
-  (`JobIO.joined`: rank 0 pops them, one collective tells the others how many) and the ranks
-  vote, one collective per job, that each is placed on this group (a job cancelled before its
-  placement was written is skipped by all).
-- A sequence that leaves (its stop token or string, its max_tokens, its own cancel) has its
-  result written at once, with `batch_size` the most sequences it decoded with; its bytes come
-  off the group's reservation (`batch_ended`).
+- Each job is prefilled alone (`prefill_job`), then joins the `BatchDecoder` at the next step;
+  a prefill job runs whole (`run_job`).
+- Between two decode steps every rank takes the jobs handed to the busy group (`JobIO.joined`:
+  rank 0 pops them, one collective tells the others how many) and the ranks vote, one collective
+  per job, that each is placed on this group.
+- A sequence that leaves has its result written at once; its bytes come off the group's
+  reservation (`batch_ended`).
 - With nothing to decode and nothing handed over, the group waits for its next job as a warm
   group does (`next_job`), and retires when idle.
 
@@ -83,10 +80,8 @@ class _Member:
 
 def pace(rows: int) -> float:
     """How much less often a member of a batch of `rows` streams its text and reports its
-    progress than a job decoding alone: sqrt(rows), so the batch's Redis writes and text
-    decodes grow as sqrt(rows), not rows. At the fixed cadence, a 32-row step on the CPU
-    (tiny model, through the service) spent 44 % of its time in them (py-spy: 32 % streaming
-    text, 12 % progress)."""
+    progress than a job decoding alone: sqrt(rows). At the fixed cadence a 32-row step on the
+    CPU spent 44 % of its time streaming text and reporting progress."""
     return max(1.0, math.sqrt(rows))
 
 
@@ -321,9 +316,7 @@ def member_row_prefix(
 ) -> InMemory | None:
     """The batch row (`prompts`: each row's job and prompt, in row order) whose prompt starts
     most like `tokens`, sharing at least `at_least` tokens, as a copy of the shared part's KV,
-    for a joiner to continue: not the document's file (5-6 s to read at 128K on an H200,
-    docs/prefix-reuse.md), nor a recompute. The same on every rank (replicated rows,
-    the same members)."""
+    for a joiner to continue without reading a file or recomputing. The same on every rank."""
     shared, best = max(at_least, 1) - 1, None
     for row, (key, prompt) in enumerate(prompts):
         common = exact_reuse_tokens(prompt, tokens)
@@ -340,13 +333,10 @@ def last_row_memory(
     cache: BatchCache, vacated: dict[str, int], prompts: dict[str, list[int]], first_row: int
 ) -> InMemory | None:
     """What the memory tier keeps as a batch empties: the longest prompt of the jobs that left
-    last (`vacated`: their slots; `prompts`: theirs), for the next job on its document, as a
-    job run alone leaves its prompt's KV; not recomputed (12-15 s at 128K on an H100) nor read
-    from its file (5.4 s), docs/prefix-reuse.md. Only a prompt no longer than
-    `first_row`, the columns of the row of the job that began the batch: the group's
-    reservation counted that row before any join grew it, and keeps it when the batch's growth
-    is given back (jobs/warm_groups.py). A buffer of one slot no longer than that holds nothing
-    else, so its row stays as a view; else the prompt's part is copied (the buffer is freed)."""
+    last (`vacated`: their slots; `prompts`: theirs), for the next job on its document. Only a
+    prompt no longer than `first_row`, the row of the job that began the batch: the group's
+    reservation keeps that row when the batch's growth is given back. A one-slot buffer keeps
+    its row as a view; else the prompt's part is copied and the buffer freed."""
     fits = {key: p for key, p in prompts.items() if key in vacated and 1 < len(p) <= first_row}
     if not fits:
         return None
@@ -359,10 +349,8 @@ def last_row_memory(
 
 def without_kv(job: Prefilled) -> Prefilled:
     """What a batch member keeps of its prefill while it decodes: its result's figures, not
-    its KV (the batch's row holds a copy). The kept prefix it started from (`start`) holds the
-    same KV caches as the prefill (the prefill extends them): kept, they held a whole prompt's
-    KV per member, 16 GiB for each 128K question on the 8B, until the H200 group ran out of
-    memory at its 4th row."""
+    its KV (the batch's row holds a copy), nor the kept prefix it started from, which the
+    prefill extended (kept, a 128K question on the 8B held 16 GiB per member)."""
     start = replace(job.start, cache=[]) if job.start is not None else None
     prefill = replace(job.prefill, cache=[], logits=mx.zeros((1,)))
     return replace(job, prefill=prefill, start=start)
@@ -371,12 +359,9 @@ def without_kv(job: Prefilled) -> Prefilled:
 def keep_beside_batch(
     engine: Engine, prefix: RankPrefixCache | None, io: JobIO, job: Prefilled
 ) -> None:
-    """Keep the prompt's KV as after any job (its disk copy where worth it, a memory copy), now
-    that the batch holds its own copy in a row. The memory copy stays only within the room the
-    group's reservation leaves beside this job's own estimate (ring_worker/engine/memory_tier.py):
-    the
-    row is this job's KV, so a copy beside it is counted by nothing else; a joined job has no
-    room (its placement's bytes are the whole reservation), so its copy leaves memory at once."""
+    """Keep the prompt's KV as after any job, now that the batch holds its own copy in a row.
+    The memory copy stays only within the room beside this job's own estimate
+    (ring_worker/engine/memory_tier.py); a joined job has no room, so its copy leaves at once."""
     keep_prefix(engine, prefix, io, job)
     if prefix is not None:
         prefix.bound_memory(memory_room(io))
