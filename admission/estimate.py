@@ -5,12 +5,10 @@ rank's MLX peak is the larger of two phases, times a small margin:
 - loading: its weights, plus (CPU nodes, which dequantize) the stored tensors and scales being
   converted, plus a dequantization transient for the embedding;
 - prefill: its weights + its KV + the live tensors of one layer of one chunk.
-Process overhead (interpreter, MLX runtime) comes on top. The constants were fitted against
-`mx.get_peak_memory()` per rank over a grid of models, lengths and layouts on CPU
-(bench/calibrate_admission.py; the table is in docs/performance.md).
-On GPUs (fused attention, weights kept as stored, the model's dtype) the CPU terms drop out and
-measured GPU transients come in instead (`gpu_transient_bytes`), fitted on one H200 for single
-ranks (docs/performance.md); ring and pipeline GPU cells need two GPUs.
+Process overhead (interpreter, MLX runtime) comes on top. The constants are fitted against
+`mx.get_peak_memory()` per rank on CPU (bench/calibrate_admission.py, docs/performance.md). On
+GPUs (fused attention, weights kept as stored) the CPU terms drop out and measured GPU transients
+come in instead (`gpu_transient_bytes`).
 """
 
 from dataclasses import dataclass
@@ -27,15 +25,13 @@ RING_SCORE_COPIES = 2.4  # ring partial attention: scores and their exp
 SHARDED_SCORE_COPIES = 2.2  # sharded ring: partials over every rank's past, merged per layer
 STORED_COPIES = 1.5  # dequantizing: packed weights plus float32 scales and biases
 EMBEDDING_TRANSIENT = 0.6  # of the dense embedding, while it is dequantized
-# Fitted on one H200 (MLX CUDA 0.32.4, bf16, 8B and 1B shapes, 8K-128K tokens, 16K chunks),
-# prefill paced layer by layer (ring_worker/engine/pacing.py: before it, MLX's queued kernels held
-# 8-12 GiB more on the 8B shape): about three layers' tensors are alive (two queued, one being
-# built), and while mlx-lm's KVCache grows, about three layers' KV are copied at once.
+# Fitted on one H200 (bf16, 8B and 1B shapes, 8K-128K tokens, 16K chunks), prefill paced layer
+# by layer (ring_worker/engine/pacing.py): about three layers' tensors are alive, and while
+# mlx-lm's KVCache grows, about three layers' KV are copied at once.
 GPU_ACTIVATION_COPIES = 3  # of one layer's hidden and MLP tensors for one chunk
 GPU_KV_LAYER_COPIES = 3  # of one layer's KV (the cache's growth copies)
-# Checkpoints (ring_worker/engine/checkpoint.py) hold copies of the KV added since the last one
-# written:
-# at most HELD_SEGMENTS segments of at most max_segment_tokens each.
+# Checkpoints (ring_worker/engine/checkpoint.py) hold at most HELD_SEGMENTS copies of at most
+# max_segment_tokens each.
 HELD_SEGMENTS = 2  # one being written, one queued
 
 
@@ -210,9 +206,7 @@ def activation_bytes(
 
 @dataclass(frozen=True)
 class BatchRow:
-    """One sequence's row of a decode batch (ring_worker/engine/batch_cache.py): the positions of
-    its
-    prompt and of its answer."""
+    """One sequence's row of a decode batch: the positions of its prompt and of its answer."""
 
     prompt_tokens: int
     answer_tokens: int
@@ -225,8 +219,7 @@ class BatchRow:
 def batch_buffer_tokens(longest_row: int, longest_answer: int) -> int:
     """Positions each row of a decode batch's buffer may need, in its 256-token steps: the rows
     are aligned at their ends, so a row joins at the column the longest row has reached and
-    needs its own answer's room past it. Hence the longest row (prompt and answer) plus the
-    longest answer; a batch of one needs only its own row (batch_row_bytes)."""
+    needs its own answer's room past it: the longest row plus the longest answer."""
     return _cache_tokens(longest_row + longest_answer)
 
 

@@ -8,12 +8,9 @@ of one warm group): prefill chunk tokens, prompt, max tokens, temperature.
 
 Prefill chunk tokens follow the device:
 - CPU: 512 (OpenBLAS float32: larger chunks gain nothing and grow the score tensors).
-- GPUs: 16,384, or the largest power of two below it that fits memory. A warm ring-2 on 2xH200
-  prefilled 32K tokens as fast in 16K chunks as in one (0.656 vs 0.659 s), and one H200 at 128K
-  ran 12.6K tok/s with 16K chunks vs 12.3K with one 128K chunk, while each chunk stays well under
-  2 s, so progress, cancel and the stall watchdog still tick. The default 512 was a third of
-  that speed (design.md). A fixed chunk also keeps kernel shapes the same from job to job.
-"""
+- GPUs: 16,384, or the largest power of two below it that fits memory. One H200 at 128K ran
+  12.6K tok/s with 16K chunks vs 12.3K with one 128K chunk, while each chunk stays well under
+  2 s, so progress, cancel and the stall watchdog still tick."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,8 +77,7 @@ def plan_group(
 
 def shares_a_gpu(nodes: Sequence[NodeFacts]) -> bool:
     """A group with GPU ranks that do not each have a GPU of their own. Such a group computes
-    on CPU: NCCL refuses two ranks on one GPU, and MLX's ring backend with both ranks' arrays on
-    one H200 hung while loading (ringq demo, ring-2 of a 1B model, 300 s)."""
+    on CPU: NCCL refuses two ranks on one GPU, and MLX's ring backend hung while loading."""
     return len(nodes) > 1 and any(n.device == "cuda" for n in nodes) and not own_gpus(nodes)
 
 

@@ -73,9 +73,8 @@ def serve(conn: redis.Redis, settings: Settings) -> None:
 
 
 def import_tokenizers() -> None:
-    """Import what tokenising needs before the first job: it took 5 s of the first job's
-    admission on an H200 machine. Not in a thread: transformers'
-    lazy imports fail when two threads import it at once."""
+    """Import what tokenising needs before the first job (5 s of its admission otherwise).
+    Not in a thread: transformers' lazy imports fail when two threads import it at once."""
     import transformers.tokenization_utils_fast  # noqa: F401
 
 
@@ -371,10 +370,8 @@ class Dispatcher:
 
     def wait(self, record: JobRecord, wait: Wait, again: bool = True) -> str:
         """The job fits once running groups free memory: it stays queued (saying why) and tries
-        again after the jobs queued behind it, so smaller jobs that fit now go first (backfill),
-        where they leave the oldest job waiting for memory what it needs (jobs/admit_plan.py).
-        The pause before it goes round again ends early when room frees (`wake_admissions`):
-        the head then tries first."""
+        again after the jobs queued behind it, so smaller jobs that fit now go first (backfill,
+        jobs/admit_plan.py). The pause ends early when room frees (`wake_admissions`)."""
         if wait.evict and (asked := self.warm.evict(wait.evict)):
             log.info("job %s: asked idle groups %s to make way", record.id, asked)
         self.store.set_waiting(record.id, wait.reason)
@@ -386,8 +383,7 @@ class Dispatcher:
         if woken and (head := self.memory_waits.first()) is not None:
             wake = admit_data(head, self.attempt_name(head, "wake"), wake=True)
             self.queue.enqueue_many([wake])
-        # once per reason: a job waiting a minute is tried hundreds of times (the 1,000-job
-        # chaos soak's dispatcher log reached 9 MB, almost all of it the same lines again)
+        # once per reason: a job waiting a minute is tried hundreds of times
         changed = record.waiting_reason != wait.reason
         log.log(logging.INFO if changed else logging.DEBUG, "job %s waits: %s", record.id,
                 wait.reason)  # fmt: skip

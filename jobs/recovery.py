@@ -152,8 +152,7 @@ return 0
 
 def forget_group(conn: redis.Redis, group_id: str, seen: bytes | str) -> bool:
     """Stop watching a group whose job moved on, unless its entry changed since it was read
-    as `seen`: a warm group handed its next job meanwhile is tracked again for that job (the
-    chaos soak found a job stuck for good after the entry for its job was dropped this way)."""
+    as `seen`: a warm group handed its next job meanwhile is tracked again for that job."""
     return bool(conn.eval(_FORGET_IF_UNCHANGED, 1, keys.GROUPS_INDEX, group_id, seen))
 
 

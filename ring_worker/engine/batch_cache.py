@@ -2,34 +2,23 @@
 
 Rows are aligned at their ends: every row writes its next K/V at one common column (`Rows.end`),
 and row b holds its positions in [end - length_b, end). So a step stores every row's K/V with one
-slice update, as for rows of one length, while RoPE takes per-row offsets (each row's length).
-Attention reads columns [end - longest, end + 1), with a boolean mask hiding the columns before
-each row's own (on CUDA, ring_worker/engine/rows_attention.py reads each row's own columns
-instead, no mask). Rows written each at its own length would need a slice update per row, or one
-scatter above 6 rows: on an H200 (8B shape, ~4K-token rows) a layer's scatter of K and V
-took 113 us of host time and one slice update of each 14.5 us (bench.probes.step_cost `ops`);
-in one process, a step of 8 rows of different lengths took 12.9 ms with those stores and 9.3 ms
-with every row written at one column (`--linears fused,fused+store`, pipelined medians of 2).
-Aligned, 8 rows of different lengths stepped in 12.1 ms against 13.7 for 8 of one length.
+slice update, as for rows of one length, while RoPE takes per-row offsets. Attention reads columns
+[end - longest, end + 1), with a boolean mask hiding the columns before each row's own (on CUDA,
+ring_worker/engine/rows_attention.py reads each row's own columns, no mask). Rows written each at
+its own length would need a scatter: on an H200 a step of 8 rows of different lengths took
+12.9 ms that way and 9.3 ms aligned.
 
-A sequence joins by copying its K/V into a free row, ending at `end`. A joiner longer than `end`
-first moves every row right (one copy of the columns they hold); so does a join the buffer
-cannot hold, which also drops the columns no row holds any more (on the left, after longer rows
-left). A row's room ends at its join column + max_tokens (`Rows.limits`), so the buffer never
-needs more than the longest row's prompt and answer plus the longest answer
-(admission.estimate `batch_buffer_tokens`). Leaving moves the last row into the freed one; the
-last row itself leaves its columns where they are (`vacated`, until the next join), so when the
-batch empties every row that left last still holds its K/V, for the next job on its document
-(ring_worker/runtime/batch_serve.py `keep_last_row`). When rows leave, the decoder may `shrink` the
-buffers to fewer slots (ring_worker/engine/batch_decode.py says when): one copy of the rows'
-columns.
+A sequence joins by copying its K/V into a free row, ending at `end`. A joiner longer than `end`,
+or a join the buffer cannot hold, first moves every row (one copy of the columns they hold,
+dropping those no row holds). A row's room ends at its join column + max_tokens (`Rows.limits`),
+so the buffer never needs more than admission.estimate `batch_buffer_tokens`. Leaving moves the
+last row into the freed one; the last row itself leaves its columns in place (`vacated`, until
+the next join), so when the batch empties the rows that left last still hold their K/V for the
+next job on their document. The decoder may `shrink` the buffers to fewer slots.
 
-When every row has the same length (one sequence, or sequences that joined together) the step is
-mlx-lm's own single-sequence path: an integer offset, one slice update, no mask (fused attention).
-
-The model is plain mlx-lm: its attention calls `offset`, `make_mask` and `update_and_fetch` on the
-per-layer `SlotCache`, exactly as on a KVCache.
-"""
+When every row has the same length the step is mlx-lm's own single-sequence path: an integer
+offset, one slice update, no mask. The model is plain mlx-lm: its attention calls `offset`,
+`make_mask` and `update_and_fetch` on the per-layer `SlotCache`, exactly as on a KVCache."""
 
 from typing import Any
 

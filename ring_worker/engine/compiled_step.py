@@ -1,30 +1,20 @@
 """A decode batch's forward pass through compiled MLX functions (`mx.compile`), for steps of two
 or more rows where ringq's rows attention runs (CUDA; the tests route it to `reference_attention`).
 
-Why: on an H200 a step of 2-8 rows of the 8B shape is host-bound. Building its graph in Python
-took 3.3-4.4 ms of a 10-14 ms step (bench.probes.step_cost). A compiled function builds its
-part of the step by replaying a traced graph in C++, and fuses its elementwise operations.
-Measured on an H200 (8B, bf16, ~4K-token rows, one process, medians of 3 alternating rounds;
-bench.probes.compiled_step): 9.2 against 11.1 ms a step at 2 rows, 10.6 against 12.9 at 8, 13.2
-against 13.3 at 24 (in 32 slots).
+Why: on an H200 a step of 2-8 rows of the 8B shape is host-bound (building its graph in Python
+took 3.3-4.4 ms of a 10-14 ms step). A compiled function replays a traced graph in C++ and fuses
+its elementwise operations: 9.2 against 11.1 ms a step at 2 rows, 10.6 against 12.9 at 8.
 
 Each layer runs as two compiled calls around the K/V store, which stays an eager slice update at
-a Python-int column. Inside a compiled function, or as a dynamic slice update (a column given as
-an array), MLX's CUDA backend copied the whole buffer instead of writing in place:
-bench.probes.store on an H200 took 0.6 ms a step for 16 buffers of 32 rows x 4.6K columns written
-eagerly, and 12.1 ms dynamically or compiled. A
-step compiled whole (one function of every buffer) was thus 1.7x the eager step at 8 rows and
-4.6x at 24.
+a Python-int column: compiled, or as a dynamic slice update, MLX's CUDA backend copies the whole
+buffer instead of writing in place (12.1 ms a step against 0.6 ms eagerly, 32 rows x 4.6K).
 - Every slot of the buffers steps, not only the rows in use (a free slot attends to the one
-  column it writes, and its logits are dropped). Slots double as rows join and stay until
-  half or more stand free (then the buffers halve), so most joins and leaves do not retrace;
-  MLX keeps a trace per shape, so a slot count seen before at the same capacity is not traced
-  again.
+  column it writes, and its logits are dropped), so most joins and leaves do not retrace; MLX
+  keeps a trace per shape.
 - RoPE offsets, first columns and visible counts are inputs; the attention kernels' split count
-  is fixed per trace (`split_bucket(longest)` gives the split count the true longest row would).
-Each layer is traced again when the slots double, when the buffers grow (every CACHE_STEP_TOKENS
-columns, or at a join that relays them out) and when the split count changes.
-"""
+  is fixed per trace (`split_bucket(longest)`).
+Each layer is traced again when the slots double, when the buffers grow and when the split count
+changes."""
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -2,18 +2,14 @@
 several rows.
 
 On CUDA, MLX builds a cuBLASLt matmul on every call: about 23 us of host time at 2 or more rows,
-against 9 us for its gemv at one row. A decode step's matmuls are small, so that host time is
-most of a step, and it is why a second row costs so much more than the first. Fusing takes an
-8B Llama step from 225 matmuls to 129. On an H200, side by side in one process, fused steps took
-0.75-0.98x as long at 2-8 rows and 1.02-1.05x at 32, where the device is the bound
-(bench.probes.step_cost).
+against 9 us for its gemv at one row, and a decode step's matmuls are small enough that this host
+time is most of a step. Fusing takes an 8B Llama step from 225 matmuls to 129 (on an H200,
+0.75-0.98x as long at 2-8 rows).
 
 The fused weight is one array, and each projection's weight becomes a row slice of it (a view,
-no copy): the parameters' values and the memory they take stay as they were (names gain an
-`inner.` under each wrapped MLP, as under the ring's attention wrapper), and the unfused calls
-(prefill, one row, mlx-lm's own paths) read the same numbers. Only plain `nn.Linear` projections
-of one dtype and the same bias presence are fused; quantised ones are left alone.
-"""
+no copy): the parameters' values and memory stay as they were (names gain an `inner.` under each
+wrapped MLP), and the unfused calls (prefill, one row) read the same numbers. Only plain
+`nn.Linear` projections of one dtype and the same bias presence are fused."""
 
 from __future__ import annotations
 
@@ -50,10 +46,8 @@ class Fused:
 
 
 def runs_fused(x: mx.array) -> bool:
-    """Fused calls serve decode steps of 2 or more rows (one token each): cuBLASLt's host cost is
-    most of such a matmul. One row runs the projections apart, on MLX's gemv (9 us of host time a
-    call): fused, an H200's one-row step took 1.02-1.09x as long, the extra Python of the cuts
-    outweighing the calls saved (docs/batching.md)."""
+    """Fused calls serve decode steps of 2 or more rows (one token each). One row runs the
+    projections apart, on MLX's gemv: fused, an H200's one-row step took 1.02-1.09x as long."""
     return x.shape[1] == 1 and x.shape[0] > 1
 
 

@@ -1,32 +1,22 @@
 """Decode attention over rows of different lengths, fused, on MLX's CUDA backend.
 
-A decode batch's rows hold different lengths (ring_worker/engine/batch_cache.py). MLX's fused SDPA
-takes
-no boolean mask on CUDA: with one it falls back to matmul + softmax over the sliced cache, and a
-32-row step of the 8B shape took 51 ms on an H200 against 17 ms when every row had one length
-(docs/batching.md).
+MLX's fused SDPA takes no boolean mask on CUDA: with one it falls back to matmul + softmax over
+the sliced cache, and a 32-row step of the 8B shape took 51 ms on an H200 against 17 ms when
+every row had one length.
 
 Here two kernels do it (flash-decoding):
-- `rows_partial`: one block of 4 warps per (row, KV head, key split). The block keeps its GQA
-  group's queries in registers. A key is read by a group of lanes, each holding 16 bytes of
-  consecutive head dims (one vector load; 16 lanes a key at head dim 128 in bf16, so a warp
-  reads 2 keys at once), and each lane keeps two such loads in flight, with an online softmax
-  per lane group; the groups, then the warps, are merged at the end. Each row reads only its own
-  keys, [start, start + length) (rows are aligned at their ends: ring_worker/engine/batch_cache.py),
-  straight from the batch's KV buffers (no slice, no copy, no mask).
-  The first version walked one key per warp with 2-byte loads: 0.41 ms a layer at 32 rows x ~4K
-  in bf16 on an H200, 2.5x fused SDPA over rows of one length (rows-attention-probe.json).
+- `rows_partial`: one block of 4 warps per (row, KV head, key split), its GQA group's queries in
+  registers. A key is read by a group of lanes, each holding 16 bytes of consecutive head dims,
+  each lane with two loads in flight and an online softmax per lane group; groups, then warps,
+  are merged at the end. Each row reads only its own keys, [start, start + length), straight
+  from the batch's KV buffers (no slice, no copy, no mask).
 - `rows_combine`: merges the splits of each (row, query head).
 
-`RowsAttention` wraps a layer's attention module. On a SlotCache (a decode batch's step) of two
-or more rows it computes Q/K/V itself (`project_qkv`, as the ring does; one matmul where
-`fused_linears` fused them), stores K/V in the rows, and calls `attend` when the rows differ in
-length (fused SDPA when they do not). On one row, or any other cache, it is the plain module: at
-one row, on the CPU with a 32-layer tiny Llama, that built a step's graph in 8.8 ms against 9.4
-through the wrapper's own path (medians of 6 alternating runs of 50 steps, with the test suite
-running beside them). `attend` is this file's kernels on CUDA; the tests pass
-`reference_attention` (MLX ops) on the CPU to check the wrapper.
-"""
+`RowsAttention` wraps a layer's attention module. On a SlotCache of two or more rows it computes
+Q/K/V itself (`project_qkv`), stores K/V in the rows, and calls `attend` when the rows differ in
+length (fused SDPA when they do not). On one row, or any other cache, it is the plain module
+(faster to build a step's graph). `attend` is this file's kernels on CUDA; the tests pass
+`reference_attention` (MLX ops) on the CPU to check the wrapper."""
 
 from collections.abc import Callable
 from functools import cache
@@ -284,8 +274,7 @@ def _splits_array(splits: int) -> mx.array:
 def split_count(blocks: int, longest: int) -> int:
     """Key splits per (row, KV head): a power of two, enough to reach TARGET_BLOCKS blocks, none
     shorter than MIN_SPLIT_KEYS keys. The kernels read it from an input, not a template
-    argument: each template variant is an NVRTC compile of 3.4-4.4 s on first use on an H200
-    (bench.probes.rows_attention `first_calls`), and a batch growing to 32 rows met four."""
+    argument: each template variant is an NVRTC compile of 3.4-4.4 s on first use."""
     splits = 1
     while blocks * splits < TARGET_BLOCKS and longest // (2 * splits) >= MIN_SPLIT_KEYS:
         splits *= 2
@@ -293,10 +282,8 @@ def split_count(blocks: int, longest: int) -> int:
 
 
 def split_bucket(longest: int) -> int:
-    """The largest power of two at most `longest` (at least 1). `split_count` gives it the
-    split count it gives `longest`, since its thresholds (MIN_SPLIT_KEYS * 2 * splits keys) are
-    powers of two: a compiled step (ring_worker/engine/compiled_step.py) traces once per bucket, not
-    once per length."""
+    """The largest power of two at most `longest` (at least 1): `split_count` gives it the same
+    split count as `longest`, so a compiled step traces once per bucket, not once per length."""
     return 1 << (max(longest, 1).bit_length() - 1)
 
 

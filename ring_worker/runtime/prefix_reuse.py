@@ -280,11 +280,9 @@ class RankPrefixCache:
         self, engine: Engine, tokens: list[int], room_bytes: int | None = None
     ) -> Reuse | None:
         """This rank's part of the kept prefix every rank of the group can use, if any: the
-        longer of the one in memory and a batch member's row (a question joining its
-        document's batch), when it covers at least what the index offers (no file to read) and
-        a block (BLOCK_TOKENS: a prefill continuing a reused prefix takes no checkpoints, so a
-        shared chat template's head, a few tokens, would cost a long prompt its checkpoints).
-        The memory tier is then bounded by `room_bytes` (ring_worker/engine/memory_tier.py)."""
+        longer of the one in memory and a batch member's row, when it covers at least what the
+        index offers and a block (a prefill continuing a reused prefix takes no checkpoints). The
+        memory tier is then bounded by `room_bytes` (ring_worker/engine/memory_tier.py)."""
         # a chat template's head (under a block) saves nothing, and costs the checkpoints
         at_least = max(self.index.match(self.model_key, tokens).tokens, BLOCK_TOKENS)
         memory = self.memory
@@ -346,9 +344,7 @@ class RankPrefixCache:
         self.memory = None
 
     def hold(self, held: InMemory) -> None:
-        """Hold a prompt's KV taken elsewhere (a batch's last row:
-        ring_worker/runtime/batch_serve.py
-        `keep_last_row`) for the next job, in place of what memory held."""
+        """Hold a prompt's KV taken elsewhere (a batch's last row) for the next job."""
         self.memory = held
         log.info("rank %d: job %s's prompt KV (%d tokens, %d bytes) stays in memory from its "
                  "batch row", self.view.rank, held.entry_id, len(held.tokens),
