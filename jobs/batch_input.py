@@ -1,25 +1,16 @@
 """Reading a batch JSONL file into job specs, checking every line before anything is enqueued.
 
-Two line forms, told apart by the presence of `url`, `method` or `body`:
-
-- OpenAI Batch: `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {"model"?,
-  "messages", "max_tokens"? (or "max_completion_tokens"), "temperature"?}}` becomes a `generate`
-  job. ringq runs one user turn over a document, so the conversation is flattened: the last
-  message must be the user's and becomes the job's prompt (the question); every message before it
-  (system, developer, user), in order and joined by blank lines, becomes the document. A request
-  of a single user message is all document and has an empty prompt (no instruction is added).
-  `stop` and `seed` are honoured; `n` other than 1 and `top_p` other than 1 are refused (one
-  completion, temperature sampling); other body fields are ignored; assistant and tool messages
-  are refused.
-- Plain: `{"custom_id", "document" | "document_path", "prompt"?, "kind"? ("prefill" | "generate",
-  default generate), "max_tokens"?, "temperature"?, "model"?, "stop"?, "seed"?}`;
-  `document_path` is relative to the JSONL file's directory, a regular file, and inside
-  RINGQ_ALLOWED_DIRS when that is set.
+Two line forms (jobs/batch_lines.py), told apart by the presence of `url`, `method` or `body`:
+- OpenAI Batch: a /v1/chat/completions body becomes a `generate` job. The conversation is
+  flattened: the last message must be the user's and becomes the job's prompt; every message
+  before it (system, developer, user), joined by blank lines, becomes the document. A single user
+  message is all document, with an empty prompt. Assistant and tool messages are refused.
+- Plain: `{"custom_id", "document" | "document_path", "prompt"?, "kind"?, "max_tokens"?,
+  "temperature"?, "model"?, "stop"?, "seed"?}`; `document_path` is relative to the JSONL file's
+  directory, a regular file, and inside RINGQ_ALLOWED_DIRS when that is set.
 
 A line's own `model` is used unless the caller overrides every line's model (OpenAI files name
-models like "gpt-4o-mini" that ringq cannot run). Nothing is tokenised here: the dispatcher does
-that when it admits each job.
-"""
+models ringq cannot run). Nothing is tokenised here: the dispatcher does that."""
 
 import json
 from collections.abc import Iterator

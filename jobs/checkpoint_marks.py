@@ -1,10 +1,7 @@
-"""Where a job's prefill checkpoints lie (ring_worker/engine/checkpoint.py writes them to each
-rank's
-node-local disk): every rank records its part in Redis when it writes or deletes it, and the
-dispatcher places a retry where all parts are, so it continues instead of starting over.
-
-A checkpoint can only be continued by a group of the same layout whose rank r runs on the node
-that holds part r; `checkpoint_hint` says whether the marks describe such a complete set."""
+"""Where a job's prefill checkpoints lie: every rank records its part in Redis when it writes or
+deletes it, and the dispatcher places a retry where all parts are, so it continues instead of
+starting over. Only a group of the same layout whose rank r runs on the node that holds part r can
+continue one; `checkpoint_hint` says whether the marks describe such a complete set."""
 
 from dataclasses import dataclass
 

@@ -1,14 +1,11 @@
 """A job's generated text while it decodes: a Redis stream of deltas the lead rank appends to
 (ring_worker/runtime/text_stream.py) and readers follow (`ringq serve`'s chat stream).
 
-Each entry is one delta of the text an attempt has generated: {group, offset, text}, `offset`
-being where `text` starts in that attempt's text. A reader keeps what it has sent and takes from
-each entry only what lies beyond it, so a retried attempt (another group, starting again at
-offset 0) repeats nothing, and entries trimmed by the MAXLEN cap show as a gap that the job's
-result fills once it is final. The stream is capped (MAXLEN) and expires when the job's record
-does, or TEXT_KEEP_AFTER_END_S after the job ends if that is sooner (a reader that comes later
-reads the result). Nothing here is unpickled: entries are plain strings, checked by a pydantic
-model."""
+Each entry is {group, offset, text}, `offset` being where `text` starts in that attempt's text. A
+reader takes from each entry only what lies beyond what it has sent, so a retried attempt repeats
+nothing, and entries trimmed by the MAXLEN cap show as a gap that the job's result fills. The
+stream expires with the job's record, or TEXT_KEEP_AFTER_END_S after the job ends if sooner.
+Entries are plain strings, checked by a pydantic model."""
 
 import time
 from dataclasses import dataclass

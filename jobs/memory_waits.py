@@ -1,20 +1,16 @@
 """Jobs waiting for memory, in Redis, and which of them is the head: retries first, then the oldest
-(created_at, then id), whose need is held on the nodes it waits for (the rule:
-jobs/admit_plan.py; what a hold takes: jobs/head_hold.py). keys.MEMORY_WAITS orders them;
-keys.memory_hold(job) holds each one's node -> bytes and expires unless the job waits again
-within HOLD_LEASE_S.
+(created_at, then id), whose need is held on the nodes it waits for (the rule: jobs/admit_plan.py;
+what a hold takes: jobs/head_hold.py). keys.MEMORY_WAITS orders them; keys.memory_hold(job) holds
+each one's node -> bytes and expires unless the job waits again within HOLD_LEASE_S.
 
 The dispatcher writes a job's hold each time it waits for memory and drops it when the job is
 placed, fails or waits for something else. Reading the head also drops an entry whose job is no
-longer queued (cancelled, or its record expired) or whose hold expired (its job stopped being
-admitted without a word), so no hold outlives its job's wait. Reading costs one or two round
-trips however many jobs wait: only the front of the order is read.
+longer queued or whose hold expired, so no hold outlives its job's wait; only the front of the
+order is read.
 
-A waiting job tries again once a round of the admit queue (RINGQ_ADMIT_RETRY_S). What frees room
-says so (`wake_admissions`): the dispatcher then puts a try of the head at the front of the
-queue, so a GPU that frees goes to the oldest job at once, not to whichever job's turn comes
-next (a gap of up to a round between two jobs of a warm group: ~0.6 s a job on an H200, one
-at a time)."""
+What frees room says so (`wake_admissions`): the dispatcher then puts a try of the head at the
+front of the admit queue, so a GPU that frees goes to the oldest job at once rather than after up
+to a round of RINGQ_ADMIT_RETRY_S."""
 
 import json
 from typing import Any, cast

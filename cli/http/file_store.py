@@ -1,12 +1,10 @@
 """Files of the OpenAI-compatible API: a JSON object per file in Redis, its bytes on disk under
 RINGQ_HOME/files/<id> (0600; the folder 0700).
 
-Bytes stay out of Redis: Redis holds everything in memory and writes it again to its
-append-only file, so a 190 MB upload kept for the job TTL would cost 380 MB there, and the
-embedded Redis has no memory cap to stop the next one. `ringq serve` is the only process that
-reads and writes them (batch inputs are read and batch outputs written by the server), so its
-disk is the natural place; a file expires with its Redis object (RINGQ_JOB_TTL_S), and each
-write sweeps the bytes of files that have expired.
+Bytes stay out of Redis: Redis holds everything in memory and again in its append-only file, and
+the embedded Redis has no memory cap. `ringq serve` is the only process that reads and writes
+them; a file expires with its Redis object (RINGQ_JOB_TTL_S), and each write sweeps the bytes of
+files that have expired.
 
 Uploads (purpose "batch") are batch inputs; a batch writes its output and error files here
 (purpose "batch_output"). Each file belongs to the tenant that made it (cli/http/tenants.py).

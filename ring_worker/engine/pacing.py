@@ -1,15 +1,11 @@
 """Prefill paced layer by layer on GPUs, so a chunk's temporaries do not pile up.
 
-MLX's CUDA backend keeps every queued kernel's inputs alive until the kernel has run, and its
-scheduler lets the host queue several commits ahead of the device. A chunk built as one graph
-(mlx-lm's forward, then one `mx.eval`) therefore holds the temporaries of many layers at once:
-on one H200, 8-12 GiB beyond weights + KV + one layer's tensors for the 8B shape
-(docs/performance.md). Here each layer's output is queued as soon as it is
-built, and the host waits for the layer `depth` back before building more: the device stays
-busy while at most `depth` layers' temporaries are alive.
-
-On CPU the engine's graphs run unpaced (CPU peaks are calibrated that way).
-"""
+MLX's CUDA backend keeps every queued kernel's inputs alive until the kernel has run, and lets
+the host queue several commits ahead, so a chunk built as one graph holds many layers'
+temporaries at once (8-12 GiB more on the 8B shape, one H200). Here each layer's output is queued
+as soon as it is built, and the host waits for the layer `depth` back before building more: the
+device stays busy while at most `depth` layers' temporaries are alive. On CPU the engine's graphs
+run unpaced (CPU peaks are calibrated that way)."""
 
 from collections import deque
 from collections.abc import Iterator

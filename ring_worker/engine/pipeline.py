@@ -1,13 +1,11 @@
-"""The pipeline strategy (exo PR #1587's behaviour): layers split over the ranks, chunks flow.
+"""The pipeline strategy: layers split over the ranks, chunks flow.
 
 Rank r holds a contiguous slice of the layers (rank 0 also embeds; the last rank also applies the
 final norm and the LM head). Prefill takes M + N − 1 steps for M chunks on N ranks: at step t rank
-r works on chunk t − r, so it idles for r leading and N − 1 − r trailing steps, and every rank
-joins every step's stop agreement. Within a step, the hidden states a rank finished in the previous
-step travel to r + 1 while it receives this step's input from r − 1 and computes on it; send and
-receive run on their own CPU streams and carry evaluated arrays (the MLX rules in
-../shared/design.md). Decode runs each token through the stages; the last rank samples.
-"""
+r works on chunk t − r, and every rank joins every step's stop agreement. Within a step, the
+hidden states a rank finished travel to r + 1 while it receives this step's input from r − 1;
+send and receive run on their own CPU streams and carry evaluated arrays. Decode runs each token
+through the stages; the last rank samples."""
 
 from collections.abc import Iterator
 from typing import Any

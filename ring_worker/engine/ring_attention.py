@@ -3,21 +3,15 @@
 Every prefill chunk is cut into 2N blocks and split zigzag: rank r owns blocks r and 2N-1-r, so
 causal work is even across ranks. Per layer, a rank projects its own tokens to Q/K/V (RoPE at
 absolute positions) and the ranks share their K/V:
-- `rotate`: K/V travel around the ring (send to r+1, receive from r-1, on their own streams,
-  overlapped with attention over the block in hand); partial attentions are merged with
-  log-sum-exp; block pairs wholly in a query block's future are never computed.
-- `allgather`: one all_gather per layer, then one causal attention call per query block over
-  its whole prefix (MLX aligns the causal mask to the end when queries are fewer than keys),
-  each prefix a slice of one buffer: with replicated KV, the cache the chunk was just stored in.
+- `rotate`: K/V travel around the ring, overlapped with attention over the block in hand;
+  partial attentions are merged with log-sum-exp; block pairs wholly in the future are skipped.
+- `allgather`: one all_gather per layer, then one causal attention call per query block over its
+  whole prefix, each prefix a slice of one buffer.
 KV layouts after each chunk:
-- `replicated`: every rank keeps every block (the whole prompt in order); decode is plain mlx-lm
-  on every rank.
-- `sharded`: a rank keeps only its own blocks, so per-rank KV is 1/N. Each rank's past KV then
-  travels with its blocks (rotate) or is gathered per layer (allgather), transiently, one layer
-  at a time. A decode step (or a chunk too short to split) runs the new tokens on every rank; one
-  owner rank stores their K/V; every rank attends over its own KV and the partial results are
-  merged with log-sum-exp after one all_gather per layer.
-"""
+- `replicated`: every rank keeps every block; decode is plain mlx-lm on every rank.
+- `sharded`: a rank keeps only its own blocks (1/N of the KV); past KV travels or is gathered one
+  layer at a time. A decode step runs the new tokens on every rank, one owner rank stores their
+  K/V, and every rank's partial attention over its own KV is merged with log-sum-exp."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field

@@ -1,10 +1,8 @@
 """A node's prefill checkpoints of jobs that have ended are deleted by its node agent.
 
-A rank keeps its checkpoint when its prefill fails, for the retry. If the retry is placed on
-other nodes, or the job then fails for good or is cancelled, nobody would delete it: the agent
-sweeps `RINGQ_HOME/checkpoints/<job>` (ring_worker/engine/checkpoint.py) of every job that is final
-or
-gone every SWEEP_INTERVAL_S. File operations only: the agent imports no MLX."""
+A rank keeps its checkpoint when its prefill fails, for the retry; if the retry runs elsewhere or
+the job ends, nobody else deletes it. The agent sweeps `RINGQ_HOME/checkpoints/<job>` of every job
+that is final or gone every SWEEP_INTERVAL_S. File operations only: the agent imports no MLX."""
 
 import logging
 import shutil

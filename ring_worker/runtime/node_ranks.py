@@ -1,16 +1,12 @@
 """The ranks a node's agent runs, kept in Redis (keys.node_ranks), so that the node's next agent
 knows what its predecessor left behind.
 
-An agent killed (kill -9) and started again under the same name (`ringq up`'s supervisor) before
-its heartbeat lapses never looks gone: the reconciler sees a fresh node, and while a rank of the
-group on another node renews the group's lease (rank 0 waiting in mx.distributed.init for its
-dead peer does, up to its 600 s loading limit), nothing finds the group lost. The ranks died with
-the old agent (ring_worker/runtime/processes.py), so the new one, once registered, reports every
-rank an
-earlier incarnation recorded lost: jobs.recovery retries or fails its jobs, and the other nodes'
-agents stop their ranks. It also frees the group's reservation here, and kills the rank should
-it still run (a platform without PR_SET_PDEATHSIG). A clean stop leaves its records too: the
-successor's report then finds those jobs handled already."""
+An agent killed and started again under the same name before its heartbeat lapses never looks
+gone, and while another node's rank renews the group's lease nothing finds the group lost. The
+ranks died with the old agent (ring_worker/runtime/processes.py), so the new one, once
+registered, reports every rank an earlier incarnation recorded lost (jobs.recovery retries or
+fails its jobs), frees the group's reservation here, and kills the rank should it still run (a
+platform without PR_SET_PDEATHSIG)."""
 
 import logging
 

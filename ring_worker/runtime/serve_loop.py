@@ -1,9 +1,6 @@
 """A rank's life after it starts: join the group, load the model once, then run the jobs the
-group is given until it retires. One job at a time (`run_job`, ring_worker/runtime/job_run.py), or,
-where the layout decodes in batches and RINGQ_MAX_BATCH > 1, continuous batching
-(ring_worker/runtime/batch_serve.py): jobs that join while the group decodes are prefilled one by
-one and
-then decode together."""
+group is given until it retires: one at a time (ring_worker/runtime/job_run.py), or in continuous
+batches (ring_worker/runtime/batch_serve.py) where the layout allows and RINGQ_MAX_BATCH > 1."""
 
 import logging
 import time

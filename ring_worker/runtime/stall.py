@@ -1,19 +1,14 @@
 """Stalled ranks, as their node agent sees them.
 
 A rank's own watchdog (ring_worker/runtime/watchdog.py) cannot fire when its whole process is
-stopped
-(SIGSTOP, a frozen VM), and in a group of one no peer notices either. So the agent watches the
-job each of its groups runs: once the job has started on the group (loading, prefill or decode,
-placed on that group), what the rank reports (the state and its progress record) must change
-within RINGQ_STALL_TIMEOUT_S. Entering LOADING counts as a report; while loading, the limit is
-the rank watchdog's loading one (loading weights sends no progress). Past the limit the rank is
-lost: the agent reports its group lost through jobs.recovery (the job is retried) and kills it.
-The agent gives a rank that still runs WATCHDOG_GRACE_S more, for the rank's own watchdog (same
-limit, polled every second at most) to report first, with its thread stacks in the rank's log.
+stopped (SIGSTOP, a frozen VM), and in a group of one no peer notices either. So once a job has
+started on a group, what its rank reports (state and progress) must change within
+RINGQ_STALL_TIMEOUT_S (while loading, the watchdog's loading limit). Past the limit the agent
+reports the group lost through jobs.recovery and kills it, after WATCHDOG_GRACE_S more for a rank
+that still runs, so that the rank's own watchdog reports first, with its thread stacks.
 
-Changes are timed on the agent's own monotonic clock, so clock skew between machines (rank 0 may
-write from another node) does not matter.
-"""
+Changes are timed on the agent's own monotonic clock, so clock skew between machines does not
+matter."""
 
 import logging
 import subprocess

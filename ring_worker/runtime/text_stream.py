@@ -2,19 +2,15 @@
 
 The lead rank feeds each generated token to a TextStream, which detokenises incrementally with
 mlx-lm's NaiveStreamingDetokenizer and publishes the new text through a callback once
-FLUSH_INTERVAL_S has passed or FLUSH_TOKENS tokens have come since it last did, so decode does
-not wait on Redis for every token. The naive detokenizer decodes with the model's own tokenizer,
-so the text is exactly `tokenizer.decode` of the tokens, as the job's result is (mlx-lm's BPE and
-SPM detokenizers are faster but trim a leading space and map ids past the vocabulary to "!");
-an incomplete UTF-8 character is held until its last byte comes. Its cost is one decode of the
-current line per flush (bench/stream_latency.py).
-Stop strings are honoured: text that may be the start of a stop string is held back until it
-is not, and nothing from a stop string on is ever published. `close()` publishes the rest, ending
-exactly at the job's result text.
+FLUSH_INTERVAL_S has passed or FLUSH_TOKENS tokens have come, so decode does not wait on Redis
+for every token. The naive detokenizer uses the model's own tokenizer, so the text is exactly
+`tokenizer.decode` of the tokens, as the job's result is (mlx-lm's BPE and SPM detokenizers trim
+a leading space); an incomplete UTF-8 character is held until its last byte comes. Text that may
+start a stop string is held back until it does not, and nothing from a stop string on is ever
+published. `close()` publishes the rest, ending exactly at the job's result text.
 
-Single-sequence decode (rank_main): DecodeText wraps the engine's `stop_when` callback. A
-batched decode loop makes one TextStream per sequence: `push(token)` for each token the
-sequence generates, `close()` when it ends (not when it is cancelled or fails)."""
+DecodeText wraps the engine's `stop_when` callback for single-sequence decode; a batched decode
+loop makes one TextStream per sequence."""
 
 import logging
 import time
