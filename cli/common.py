@@ -116,11 +116,9 @@ def echo_json(obj: Any) -> None:
 
 
 def interrupt_on_sigterm() -> None:
-    """SIGTERM (a service manager, `kill`) stops `up`, `demo`, `run` and `bench` as cleanly as
-    Ctrl-C: their `finally` blocks stop the processes they started (ranks have their own
-    sessions, so nothing else would). SIGINT gets Python's handler back too: a command started
-    in the background by a non-interactive shell (`cmd &` in a script, nohup) inherits SIGINT
-    ignored, and Python then installs no handler, so Ctrl-C / `kill -INT` did nothing."""
+    """SIGTERM stops `up`, `demo`, `run` and `bench` as cleanly as Ctrl-C: their `finally` blocks
+    stop the processes they started. SIGINT gets Python's handler back too: a command started
+    in the background by a non-interactive shell inherits SIGINT ignored."""
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

@@ -122,9 +122,8 @@ def parameter_count(config: dict[str, Any]) -> int:
 def byte_tokenizer(name: str) -> Any:
     """A transformers fast tokenizer over the 256 byte symbols (GPT-2's byte-level alphabet),
     which is how text is encoded, and a word for every other id of the model's vocabulary (id
-    300 decodes to " w300"), so that what a random model generates decodes to text that two runs
-    can compare (with bytes only, every id past 255 decoded to nothing, and so did nearly every
-    answer of a 128K-vocabulary model). No merges: encoding never yields the words."""
+    300 decodes to " w300"), so that what a random model generates decodes to comparable text.
+    No merges: encoding never yields the words."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

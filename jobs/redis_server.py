@@ -309,10 +309,9 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def _wait_until_ready(handle: RedisHandle, timeout_s: float) -> None:
-    """Until the server answers PING. One that answers LOADING is reading its AOF back, which
-    takes longer the more jobs it holds (8.7 s for a 125 MB AOF at a load of 20, in the
-    1,000-job chaos soak): it is waited for while it lives (each LOADING reply restarts the
-    timeout). Stopping it there and starting again began the same load from the start, for ever."""
+    """Until the server answers PING. One that answers LOADING is reading its AOF back (8.7 s for
+    a 125 MB AOF): it is waited for while it lives, each LOADING reply restarting the timeout,
+    since restarting it would begin the same load again."""
     assert handle.process is not None and handle.data_dir is not None
     deadline = time.monotonic() + timeout_s
     while (state := _probe(handle.url)) != "ready":

@@ -195,13 +195,11 @@ class WarmGroups:
         capacity_bytes: dict[str, int] | None = None,
         row: BatchRow | None = None,
     ) -> JoinOutcome:
-        """Hand a job to a busy group whose batch holds fewer than `max_batch` jobs; it joins
-        at the group's next decode step. `grow_bytes` is the job's own row (admission.estimate
-        `batch_row_bytes`), `row` its positions (read from its record if not given). With
-        `capacity_bytes` (node -> budget), the group's reservation on each of its nodes grows in
-        the same step to hold the batch's buffer after the join (see the module's "Memory"),
-        and the job is refused ("no-memory") when a node's budget cannot hold that. Else "no":
-        idle (claim it instead), full, retired, or holding no reservation."""
+        """Hand a job to a busy group whose batch holds fewer than `max_batch` jobs; it joins at
+        the group's next decode step. `grow_bytes` is the job's own row, `row` its positions (read
+        from its record if not given). With `capacity_bytes` (node -> budget), the group's
+        reservation grows in the same step to hold the batch's buffer after the join, or the job is
+        refused ("no-memory"). Else "no": idle, full, retired, or holding no reservation."""
         if row is None:
             row = self.batch_row(job_id)
         nodes = sorted(set(group.nodes)) if capacity_bytes is not None else []
@@ -280,11 +278,9 @@ class WarmGroups:
         rank: int,
         agree: Callable[[int], int],
     ) -> list[str]:
-        """Between decode steps, every rank: the jobs handed to the group since, the same on
-        every rank. Rank 0 takes what its list holds (the dispatcher hands over no more than
-        the batch's free rows). `agree` (a collective: rank 0's count to every rank) tells the
-        others how many words
-        to take from theirs (already pushed there, in the same order, by the same script)."""
+        """Between decode steps, every rank: the jobs handed to the group since, the same on every
+        rank. Rank 0 takes what its list holds; `agree` (a collective) tells the others how many
+        words to take from theirs (pushed there in the same order by the same script)."""
         own = next_key(group.group_id, rank)
         words: list[bytes | str] = []
         if rank == 0:

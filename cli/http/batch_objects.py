@@ -205,10 +205,9 @@ def _recover_validation(
 
 
 def _all_enqueued(conn: redis.Redis, batch_id: str) -> bool:
-    """Whether every job of the batch is written. The batch's record is claimed first and its
-    jobs written after (jobs.batch.submit_batch): a reader between the two saw the missing
-    jobs as expired, finished the batch as completed with no output, and counted every request
-    failed (test_http_openai's batch test caught it, about one run in ten)."""
+    """Whether every job of the batch is written. The batch's record is claimed before its jobs
+    are written (jobs.batch.submit_batch): a reader in between must not take the missing jobs
+    for expired ones and finish the batch as failed."""
     try:
         return None not in job_states(conn, get_batch(conn, batch_id))
     except JobNotFoundError:

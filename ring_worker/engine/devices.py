@@ -103,9 +103,8 @@ def rank_device_environment(
 
 def kernel_cache_dir(home: Path, gpu: str) -> Path:
     """Where ranks keep MLX's compiled CUDA kernels: under RINGQ_HOME, one folder per MLX version
-    and GPU model, since MLX names its cached kernels by kernel and shape only. MLX's own default
-    is under the temp dir, which a reboot or a fresh container empties: every kernel was then
-    compiled again in the first jobs (35 s on a fresh H100 machine)."""
+    and GPU model (MLX names its cached kernels by kernel and shape only), not the temp dir that
+    a reboot or a fresh container empties (35 s of compiling in the first jobs)."""
     try:
         mlx_version = importlib.metadata.version("mlx")
     except importlib.metadata.PackageNotFoundError:

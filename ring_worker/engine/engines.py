@@ -264,8 +264,8 @@ class Engine:
     def _post(self, vote: mx.array) -> mx.array:
         """Start evaluating a vote: every rank's is under way before any rank waits on a step.
         Where steps send and receive (a pipeline), the vote must have landed first: MLX's ring
-        backend carries collectives and send/recv over the same connections (3 ranks deadlocked
-        when they overlapped)."""
+        backend carries collectives and send/recv over the same connections, and they deadlock
+        when they overlap."""
         if self.overlap_decode:
             mx.async_eval(vote)
         else:

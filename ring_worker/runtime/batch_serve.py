@@ -293,10 +293,9 @@ class BatchServer:
 
 @dataclass
 class JoinTimes:
-    """One batch's jobs joining and leaving, in seconds on this rank: all of `start` (prefill
-    and the rest: its records, the copy into its row, keeping its prompt's KV), the hand-off
-    between steps (`take_joined`: a Redis pop, a collective and a vote per job), and the
-    results of the jobs that left (`finish`: a collective, the result's records, its text)."""
+    """One batch's jobs joining and leaving, in seconds on this rank: `start` (prefill, records,
+    the copy into its row, keeping its KV), `take_joined` (the hand-off between steps) and
+    `finish` (the results of the jobs that left)."""
 
     count: int = 0
     total_s: float = 0.0

@@ -154,10 +154,9 @@ def checkpointed_prefill(
     cache: list | None,
     reused: int,
 ) -> PrefillResult:
-    """The job's prefill, checkpointed every RINGQ_CHECKPOINT_TOKENS
-    (ring_worker/engine/checkpoint.py)
-    and continued from an earlier attempt's checkpoint when every rank holds one. A finished or
-    cancelled prefill deletes this rank's part; a failed one keeps it for the retry."""
+    """The job's prefill, checkpointed every RINGQ_CHECKPOINT_TOKENS and continued from an
+    earlier attempt's checkpoint when every rank holds one. A finished or cancelled prefill
+    deletes this rank's part; a failed one keeps it for the retry."""
     saver, resume = None, None
     if cache is None:
         group = ctx.group

@@ -38,10 +38,9 @@ def rank_environment(
     backend: str = "auto",
     home: Path | None = None,
 ) -> dict[str, str]:
-    """Environment for the `local_rank`-th rank process on this machine. CPU: MLX's Linux wheel
-    links reference BLAS; preloading OpenBLAS makes fp32 matmul 25-35x faster (design.md),
-    `blas="off"` disables it. CUDA: one GPU per rank, its compiled kernels kept under `home`
-    (ring_worker/engine/devices.py)."""
+    """Environment for the `local_rank`-th rank process on this machine. CPU: preloading OpenBLAS
+    over the reference BLAS MLX's Linux wheel links makes fp32 matmul 25-35x faster (`blas="off"`
+    disables it). CUDA: one GPU per rank (ring_worker/engine/devices.py)."""
     env = dict(os.environ)
     backend = node_backend(backend)
     env.update(rank_device_environment(local_rank, backend, home))
@@ -87,12 +86,10 @@ def _popen(
 def die_with_parent() -> Callable[[], None] | None:
     """On Linux, a preexec_fn that has the kernel SIGKILL the child when the thread that starts
     it dies (with its process, kill -9 included). The rank's own parent watch (exit_with_parent)
-    is a Python thread, which cannot run while the rank is blocked in a native call that holds
-    the GIL: mx.distributed.init waiting for a peer that never comes does (the chaos soak left
-    such ranks behind). SIGKILL, not SIGTERM: nothing of a rank's is worth saving once its
-    agent is gone, and no handler can delay it. Between fork and exec the child only calls
-    prctl, looked up here, and compares pids: no import, no logging, no lock of another thread's
-    (why preexec_fn is unsafe with threads)."""
+    is a Python thread, which cannot run while the rank is blocked in a native call holding the
+    GIL, as mx.distributed.init waiting for a missing peer is. Between fork and exec the child
+    only calls prctl, looked up here, and compares pids: no import, no logging, no lock of
+    another thread's (why preexec_fn is unsafe with threads)."""
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -133,11 +130,9 @@ def terminate_all(procs: list[subprocess.Popen], grace_s: float = 3.0) -> None:
 
 
 def exit_with_parent(parent_pid: int | None = None, poll_s: float = 1.0) -> None:
-    """Exit this process (code 1) soon after its parent (`parent_pid`, the one that started it;
-    default: the current parent) dies: a rank whose node agent or `ringq run` was killed must
-    not keep computing, or hold memory, for a group nobody watches. A thread, so it needs the
-    GIL: where the kernel does not kill the rank first (die_with_parent, Linux only), a rank
-    blocked in a native call holding the GIL exits only once that call returns."""
+    """Exit this process (code 1) soon after its parent (`parent_pid`; default: the current
+    parent) dies: a rank whose node agent or `ringq run` was killed must not keep computing or
+    hold memory. A thread, so it needs the GIL (die_with_parent covers the native calls)."""
     parent = parent_pid or os.getppid()
 
     def watch() -> None:

@@ -132,10 +132,9 @@ def start_engine(ctx: RankContext, io: JobIO) -> tuple[Engine, ChatTokenizer]:
 
 def warm_up(engine: Engine, chunk_tokens: int, ctx: RankContext) -> None:
     """On GPUs, run the kernels the group's jobs will need once while loading: a prefill of two
-    chunks (the first chunk's shapes and one with a past) and two decode steps, on token 0, and
-    in a group that batches a short batch (ring_worker/engine/batch_decode.py `warm_up`, up to
-    WARM_UP_ROWS rows). The first job then starts with compiled kernels, graphs and NCCL set
-    up. CPU kernels need no warm-up."""
+    chunks and two decode steps on token 0, and in a group that batches a short batch
+    (ring_worker/engine/batch_decode.py `warm_up`). The first job then starts with compiled
+    kernels, graphs and NCCL set up."""
     if not ctx.settings.warm_up or mx.default_device().type != mx.gpu:
         return
     started = time.perf_counter()
