@@ -1,10 +1,8 @@
 """Pure parts of `ringq bench`: which cells to run, in what order, and what their runs add up to.
 
-A cell is one (prompt length, strategy, ranks, exchange, KV layout). Every cell is measured
-in the same invocation, so its ratios to the `single` cell (ringq on one device) and the `mlx-lm`
-cell (plain mlx-lm on one device) of the same prompt length compare runs made under the same
-conditions.
-"""
+A cell is one (prompt length, strategy, ranks, exchange, KV layout). Every cell is measured in
+the same invocation, so its ratios to the `single` and `mlx-lm` cells of the same prompt length
+compare runs made under the same conditions."""
 
 import statistics
 from collections.abc import Callable, Iterable, Sequence

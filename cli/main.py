@@ -1,8 +1,7 @@
 """`ringq`: submit long-document prefill / generate jobs, watch them, read results.
 
-Start-up is kept small: this module imports only click; each command's module is imported when
-that command runs (`python -X importtime -m cli.main status JOB` shows what one command loads),
-so `ringq status` never loads MLX, transformers or RQ."""
+This module imports only click; each command's module is imported when that command runs, so
+`ringq status` never loads MLX, transformers or RQ."""
 
 import contextlib
 import importlib

@@ -1,12 +1,9 @@
 """`ringq up` keeps its services running, as compose's `restart: unless-stopped` does.
 
 A dispatcher, node agent or embedded Redis that exits while `up` runs is started again after a
-backoff that doubles with each restart of the last minute. One that has been restarted
-`max_restarts` times within `window_s` and exits again is left stopped, with a message naming
-its log (for the embedded Redis, `up` stops: nothing works without it). Each service's restart
-count and last restart time go to Redis (`jobs/service_status.py`) for `ringq top`. Jobs of a
-crashed service go through the usual recovery paths (lost groups, expired leases, requeues).
-"""
+backoff that doubles with each restart of the last minute. One restarted `max_restarts` times
+within `window_s` that exits again is left stopped, with a message naming its log (for the
+embedded Redis, `up` stops). Restart counts go to Redis (jobs/service_status.py) for `ringq top`."""
 
 import logging
 import time

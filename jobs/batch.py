@@ -1,14 +1,12 @@
 """Batches: the requests of one JSONL file enqueued together and followed as one.
 
-A batch is a JSON BatchRecord in Redis (its id, input file name and its jobs in input order);
-each request is an ordinary job whose id is `{batch id}-{line number}`, so `ringq status` and
-`ringq result` work on it too. Status and results read only the jobs' small fields (state,
-result, error) with one pipelined round trip, never their documents.
+A batch is a JSON BatchRecord in Redis; each request is an ordinary job whose id is
+`{batch id}-{line number}`, so `ringq status` and `ringq result` work on it too. Status and
+results read only the jobs' small fields, in one pipelined round trip.
 
-Results follow the OpenAI Batch output format, one object per finished request in input order;
-failed and cancelled requests become error lines. A prefill job generates nothing: its line has
-an empty assistant message, finish_reason "stop" and its prompt token count in `usage`.
-"""
+Results follow the OpenAI Batch output format, in input order; failed and cancelled requests
+become error lines. A prefill job's line has an empty assistant message and its prompt token
+count in `usage`."""
 
 import json
 import time

@@ -1,12 +1,9 @@
 """Listing jobs and batches, newest first, without scanning every job.
 
-Each state has a sorted set of its jobs (job id -> created_at, `keys.jobs_in_state`), changed in
-the same transaction as the job's state (JobStore.create_in / transition, jobs/cancel.py's
-script), so listing one state reads only that state's ids. A listing reads the small fields of
-each job (never its spec, which holds the whole document): the spec's model, document name and
-custom id are kept apart in the job's `summary` field. Ids whose record expired are dropped from
-the indexes as they are met. Jobs recorded before the indexes existed are indexed once, by the
-first listing that finds the indexes missing."""
+Each state has a sorted set of its jobs (`keys.jobs_in_state`), changed in the same transaction
+as the job's state, so listing one state reads only that state's ids. A listing reads only each
+job's small fields (never its spec, which holds the whole document; `summary` holds what a
+listing shows of it). Ids whose record expired are dropped as they are met."""
 
 import json
 import time

@@ -1,10 +1,9 @@
 """What submit needs to know about a model, cached under RINGQ_HOME by file identity.
 
-Checking a model fully (jobs.model_catalog.resolve_model) reads the whole GGUF metadata, about
-3 s for SmolLM2 on a 2-core machine. Submit needs only a few numbers (the context length, the
-longest token in bytes), so they are kept in `RINGQ_HOME/cache/models.json`, keyed by the
-model file's path, size and mtime: a rewritten or replaced file is read again. Nothing here
-tokenises: the dispatcher tokenises every job anyway and checks it exactly."""
+Checking a model fully reads the whole GGUF metadata (about 3 s for SmolLM2 on 2 cores); submit
+needs only the context length and the longest token in bytes, kept in
+`RINGQ_HOME/cache/models.json` by the file's path, size and mtime. The dispatcher tokenises every
+job anyway and checks it exactly."""
 
 import contextlib
 import json

@@ -1,16 +1,11 @@
 """Lua scripts that change Redis once per call, though redis-py may send a call twice.
 
 The services' connections retry a command whose connection dropped (jobs/redis_server.py
-`connect`: about `ride_out_s` of retries). When the server ran a script before the drop, the
-retry runs it again: a join would push its job id to the group's ranks twice (and grow the
-group's reservation twice), a claim would answer "not claimed" for the group it had just
-claimed. jobs/store.py's transactions have the same case, solved with a write token.
-
-A once-script takes a key name as its last ARGV (`once_arg`, fresh per call). Its first run
-keeps its answer there for ONCE_TTL_S; a repeat of the same call returns that answer and
-changes nothing. The key is named in ARGV, not KEYS, so that the scripts' KEYS keep their
-layout (ringq's Redis is one server, not a cluster).
-"""
+`connect`), so a script the server ran before the drop runs again: a join would push its job
+twice, a claim would answer "not claimed" for the group it had just claimed. A once-script takes
+a key name as its last ARGV (`once_arg`, fresh per call); its first run keeps its answer there
+for ONCE_TTL_S, and a repeat returns that answer and changes nothing. The key is in ARGV, not
+KEYS, so that the scripts' KEYS keep their layout."""
 
 import uuid
 

@@ -1,9 +1,6 @@
 """One snapshot of the whole service for `ringq top`: RQ queue lengths, live nodes, running and
-queued jobs, idle warm groups.
-
-Read-only and cheap enough to poll every second: running and queued jobs are read from the
-per-state indexes (jobs/listing.py), and only their small fields, never a spec (which holds the
-whole document). Queues of nodes that stopped heartbeating are left out."""
+queued jobs, idle warm groups. Cheap enough to poll every second: jobs are read from the
+per-state indexes (jobs/listing.py), small fields only."""
 
 import json
 import time

@@ -1,10 +1,7 @@
 """Memory reserved per node, atomically, under leases (one Lua script: any number of dispatchers
-can admit at once and a node is never promised more than its budget).
-
-A group's bytes are reserved on every node of its placement at admission, with a lease. Node
-agents renew the lease while the group's rank runs there and release it when the rank exits; a
-lease nobody renews (a crashed agent, a rank that never started) expires and frees the bytes.
-"""
+can admit at once and a node is never promised more than its budget). Node agents renew a group's
+lease while its rank runs there and release it when the rank exits; a lease nobody renews expires
+and frees the bytes."""
 
 import time
 from typing import cast

@@ -1,12 +1,11 @@
 """`stream: true` chat completions: server-sent events as OpenAI sends them, the text as the
 job decodes it.
 
-First a chunk with the role; while the job waits and prefills, SSE comments with its phase and
-token count (clients ignore comments; they keep proxies from closing an idle connection); during
-decode a content chunk for each delta the lead rank publishes (jobs/job_text.py: about every
-50 ms or 16 tokens); once the job is final, whatever of its result text was not sent yet, a last
-chunk with finish_reason, usage if asked, then `data: [DONE]`. A job that fails or is cancelled
-ends the stream with an error event instead. A caller that goes away cancels its job."""
+First a chunk with the role; while the job waits and prefills, SSE comments with its phase (they
+keep proxies from closing an idle connection); during decode a content chunk per delta the lead
+rank publishes (jobs/job_text.py); once the job is final, the rest of its result text, a last
+chunk with finish_reason, usage if asked, then `data: [DONE]`. A failed or cancelled job ends
+with an error event. A caller that goes away cancels its job."""
 
 import json
 import logging

@@ -2,11 +2,9 @@
 bounded before it is parsed, and headers that keep other sites from framing any answer.
 
 A body is counted as it streams in: past the limit (RINGQ_MAX_REQUEST_BYTES; uploads to
-/v1/files RINGQ_MAX_UPLOAD_BYTES) the read fails with 413, so neither memory nor the disk that
-multipart parsing spools to holds more than the limit. A Content-Length over it is refused
-before a byte is read. Bodies other than multipart uploads are read whole (they are bounded)
-and their nesting measured first: Python's json recurses, and `[` x 100,000 would raise
-RecursionError deep inside the route."""
+/v1/files RINGQ_MAX_UPLOAD_BYTES) the read fails with 413, and a Content-Length over it is
+refused before a byte is read. Other bodies have their nesting measured first: Python's json
+recurses, and `[` x 100,000 would raise RecursionError deep inside the route."""
 
 import json
 import re

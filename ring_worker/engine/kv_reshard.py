@@ -1,10 +1,6 @@
-"""Rebuild a rank's KV cache from the shards of a kept prefix, whatever layout made them.
-
-A shard holds some layers at some positions (ranges, in the order its arrays hold them). Keys
-carry RoPE at their absolute positions and a past is wholly visible to later queries, so a
-rank's past may hold any set of positions in any order: every layout is a cut-and-concatenate
-of every other (design: jobs/prefix_cache.py). No I/O here.
-"""
+"""Rebuild a rank's KV cache from the shards of a kept prefix, whatever layout made them: keys
+carry RoPE at absolute positions and a past is wholly visible, so every layout is a
+cut-and-concatenate of every other (jobs/prefix_cache.py). No I/O here."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
