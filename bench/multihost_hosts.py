@@ -74,8 +74,13 @@ class Host:
         self.veth = f"rqmh-{name}"
 
     def enter(self, args: list[str]) -> list[str]:
-        """`args` inside this host, from the repository root."""
+        """`args` inside this host, from the repository root. Without LD_PRELOAD: a preloaded
+        OpenBLAS starts its threads in nsenter, and a threaded process cannot enter a mount
+        namespace (setns: EINVAL). Rank processes preload it again themselves."""
         return [
+            "env",
+            "-u",
+            "LD_PRELOAD",
             "nsenter",
             f"--net=/run/netns/{self.netns}",
             f"--mount={self.mount_file}",
