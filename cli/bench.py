@@ -22,6 +22,7 @@ from admission.group_plan import default_chunk_tokens
 from cli.bench_machine import machine_info, mfu, probe_matmul_tflops
 from cli.bench_plot import write_plot
 from cli.bench_report import (
+    STRATEGIES,
     Cell,
     CellFailed,
     parse_positive_ints,
@@ -60,7 +61,7 @@ WIDE_COLUMNS = 160  # a table written to a file or pipe is not cut to 80 columns
 @click.option(
     "--tg", type=click.IntRange(0, 32768), default=16, show_default=True, help="Tokens to decode."
 )
-@layout_options(many=True)
+@layout_options(many=True, strategies=STRATEGIES)
 @click.option(
     "--warmup",
     type=click.IntRange(0),

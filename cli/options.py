@@ -150,17 +150,18 @@ def choices_list(choices: Sequence[str]):
     return comma_list(parse)
 
 
-def layout_options(many: bool):
+def layout_options(many: bool, strategies: Sequence[str] = STRATEGIES):
     """--strategy, --ranks, --exchange and --kv-layout, with their old names hidden: one layout
-    (`run`), or comma-separated lists of them, every combination a cell (`bench`)."""
+    (`run`), or comma-separated lists of them, every combination a cell (`bench`, whose
+    `strategies` add mlx-lm's own)."""
     if many:
-        strategy = dict(default="single,ring", callback=choices_list(STRATEGIES))
+        strategy = dict(default="single,ring", callback=choices_list(strategies))
         exchange = dict(default="rotate", callback=choices_list(EXCHANGES))
         kv_layout = dict(default="replicated", callback=choices_list(KV_LAYOUTS))
         ranks = click.IntRange(2, 64)
         names = ("strategies", "exchanges", "kv_layouts")
         helps = (
-            "Strategies, comma-separated: " + ", ".join(STRATEGIES) + ".",
+            "Strategies, comma-separated: " + ", ".join(strategies) + ".",
             "Ranks of ring and pipeline cells (single always runs on one).",
             "Ring K/V exchanges, comma-separated: " + ", ".join(EXCHANGES) + ".",
             "Ring KV layouts, comma-separated: " + ", ".join(KV_LAYOUTS) + ".",

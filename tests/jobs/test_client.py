@@ -80,7 +80,7 @@ def test_submit_takes_ranks_and_strategy_and_still_the_old_names(client, redis_c
 
 
 def test_submit_checks_max_tokens_against_the_context(client):
-    with pytest.raises(InvalidJobError, match="context of 16384 tokens: lower --max-tokens"):
+    with pytest.raises(InvalidJobError, match="context of 16384 tokens: lower max_tokens"):
         client.submit(document="Short.", model=MODEL, max_tokens=20000)
     assert client.jobs() == []
 

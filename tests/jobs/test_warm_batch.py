@@ -79,23 +79,16 @@ def test_every_rank_takes_the_same_words(redis_conn):
     assert warm.joined(group, 0, lambda n: n) == []
 
 
-def test_jobs_rank_0_does_not_admit_wait_in_order_for_a_later_step(redis_conn):
-    """With `admit` (the join budget), rank 0 takes only as many as it says, in order, and
-    every rank the same; the rest stay in the lists for the next step (or the next job)."""
+def test_rank_0_takes_every_job_handed_over_and_every_rank_the_same(redis_conn):
+    """Between two steps, rank 0 takes all the jobs the dispatcher handed to the group (at most
+    the batch's free rows were handed), in order, and one count tells the other ranks."""
     warm, group = WarmGroups(redis_conn), two_ranks()
     busy(warm, group)
     for job in ("a", "b", "c"):
         assert warm.join(group, job, max_batch=8) == "joined"
-    offered: list[list[str]] = []
-
-    def admit_one(waiting: list[str]) -> int:
-        offered.append(waiting)
-        return 1
-
-    taken = {rank: warm.joined(group, rank, lambda n: 1, admit_one) for rank in (0, 1)}
-    assert taken == {0: ["a"], 1: ["a"]} and offered == [["a", "b", "c"]]
-    assert warm.joined(group, 0, lambda n: 0, lambda waiting: 0) == []  # nobody admitted
-    assert [warm.joined(group, rank, lambda n: 2) for rank in (0, 1)] == [["b", "c"]] * 2
+    taken = {rank: warm.joined(group, rank, lambda n: 3) for rank in (0, 1)}
+    assert taken == {0: ["a", "b", "c"], 1: ["a", "b", "c"]}
+    assert warm.joined(group, 0, lambda n: n) == []
 
 
 def test_joining_grows_the_reservation_to_the_batch_buffer_or_is_refused(redis_conn):
