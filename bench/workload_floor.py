@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from admission.vocabulary import Device
-from bench.workload import Request, shared_prefix
+from bench.workload_plan import Request, shared_prefix
 
 KV_SHARE = 0.5  # of the memory beside the weights, what the decoder's rows may hold
 

@@ -4,7 +4,7 @@ and the sides' prompt token counts and greedy answers compared."""
 import statistics
 from typing import Any
 
-from bench.workload import Request, prefill_ranges
+from bench.workload_plan import Request, prefill_ranges
 
 
 def build_report(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.workload import (
+from bench.workload_plan import (
     PREFILL_EVERY,
     SCALES,
     PeerSettings,
