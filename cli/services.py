@@ -217,12 +217,18 @@ def up(node_count: int | None) -> None:
 
 @click.command()
 @click.option("--model", default=None, help="Model (default: smollm2).")
-@click.option("--ranks", type=click.IntRange(1, 8), default=2, show_default=True)
+@click.option(
+    "--ranks",
+    type=click.IntRange(1, 8),
+    default=None,
+    help="Nodes, one rank each (default: one per GPU, or 2 on a CPU machine).",
+)
 @renamed_option("--ring-size", "--ranks", "ranks", type=click.IntRange(1, 8))
 @click.option("--max-tokens", type=int, default=96, show_default=True)
-def demo(model: str | None, ranks: int, max_tokens: int) -> None:
+def demo(model: str | None, ranks: int | None, max_tokens: int) -> None:
     """Everything local: a bundled document and a question through a ring of local nodes."""
     settings = get_settings()
+    ranks = ranks or demo_ranks(settings)
     interrupt_on_sigterm()
     document = files("cli").joinpath("demo/document.md").read_text()
     question = files("cli").joinpath("demo/question.txt").read_text().strip()
@@ -269,6 +275,13 @@ def demo(model: str | None, ranks: int, max_tokens: int) -> None:
                 )
     if record.error:
         sys.exit(1)
+
+
+def demo_ranks(settings: Settings) -> int:
+    """The demo's ranks where none are asked for: the GPUs it finds (one: single on it; more: a
+    ring over them, up to 8), else a ring of 2 on the CPU."""
+    gpus = installed_gpus() if settings.backend in ("auto", "cuda") else ()
+    return min(len(gpus), 8) if gpus else 2
 
 
 @click.command()

@@ -44,3 +44,18 @@ def test_demo_rings_over_two_cpu_nodes_and_says_so():
     assert demo.returncode == 0, said
     assert "2 node(s): demo-0, demo-1" in said
     assert "ring-2 on demo-0, demo-1 (cpu, cpu)" in said
+
+
+@pytest.mark.parametrize(
+    ("gpus", "backend", "ranks"),
+    [((), "auto", 2), (("0",), "auto", 1), (("0", "1"), "auto", 2),
+     (tuple("0123456789"), "auto", 8), (("0", "1"), "cpu", 2)],
+)  # fmt: skip
+def test_the_demo_uses_the_gpus_it_finds(monkeypatch, gpus, backend, ranks):
+    """One GPU: single on it; several: a ring over them; none (or the CPU asked for): a ring of
+    two CPU nodes."""
+    from cli import services
+    from jobs.settings import Settings
+
+    monkeypatch.setattr(services, "installed_gpus", lambda: gpus)
+    assert services.demo_ranks(Settings(backend=backend)) == ranks
