@@ -240,6 +240,7 @@ def _plain_item(number: int, line: PlainLine, base_dir: Path, defaults: Defaults
     spec = _spec(
         defaults,
         kind=JobKind(line.kind),
+        keep_cache=line.keep_cache,
         document=document,
         document_name=name,
         prompt=line.prompt,

@@ -94,6 +94,7 @@ class PlainLine(_Strict):
     document_path: str | None = None
     prompt: str | None = None
     kind: Literal["prefill", "generate"] = "generate"
+    keep_cache: bool = False  # a prefill kept (pinned) as questions on its document start
     max_tokens: int | None = None
     temperature: float | None = None
     model: str | None = None

@@ -359,3 +359,31 @@ def test_an_answer_cut_at_max_tokens_ends_on_a_whole_character(text, cut, shown)
     from jobs.batch import whole_characters
 
     assert whole_characters(text, cut) == shown
+
+
+def test_a_kept_prefill_line_is_the_prefix_of_a_question_on_its_document(tmp_path):
+    """A batch's `{"kind": "prefill", "keep_cache": true}` line prefills its document as a
+    question's prompt begins (the chat template opened), so later questions on the document
+    start from its KV; without keep_cache a prefill is the bare document."""
+    from jobs.batch_input import Defaults, parse_batch_lines
+    from jobs.model_catalog import resolve_model
+    from jobs.prompts import prompt_tokens
+    from jobs.settings import Settings
+
+    document = "The Eddystone rocks lie fourteen kilometres off Plymouth. " * 40
+    lines = [
+        json.dumps(
+            {"custom_id": "kept", "kind": "prefill", "keep_cache": True, "document": document}
+        ),
+        json.dumps({"custom_id": "bare", "kind": "prefill", "document": document}),
+        json.dumps({"custom_id": "q", "document": document, "prompt": "How far?", "max_tokens": 8}),
+    ]  # fmt: skip
+    defaults = Defaults(None, "smollm2", 16, 1 << 20)
+    parsed = parse_batch_lines(lines, tmp_path, "in.jsonl", defaults, Settings())
+    assert parsed.errors == []
+    source = resolve_model("smollm2", allowed_dirs=None)
+    kept, bare, question = (prompt_tokens(item.spec, source) for item in parsed.items)
+    assert parsed.items[0].spec.keep_cache and not parsed.items[1].spec.keep_cache
+    shared = next(i for i, (a, b) in enumerate(zip(kept, question, strict=False)) if a != b)
+    assert shared >= len(kept) - 8 > len(bare)  # all but the turn's closing tokens
+    assert question[: len(bare) // 2] != bare[: len(bare) // 2]
