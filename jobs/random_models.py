@@ -7,6 +7,8 @@ Llama-3-8B-shaped bf16 model costs no disk and loads in seconds. Their tokenizer
 
 from typing import Any
 
+from admission.model_shape import layer_parameters
+
 PREFIX = "random:"
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -111,10 +113,14 @@ def preset_config(name: str) -> dict[str, Any] | None:
 
 def parameter_count(config: dict[str, Any]) -> int:
     hidden, vocab = config["hidden_size"], config["vocab_size"]
-    q_width = config["num_attention_heads"] * config["head_dim"]
-    kv_width = config["num_key_value_heads"] * config["head_dim"]
-    attention = 2 * hidden * q_width + 2 * hidden * kv_width
-    layer = attention + 3 * hidden * config["intermediate_size"] + 2 * hidden
+    block = layer_parameters(
+        hidden,
+        config["intermediate_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
+    layer = block + 2 * hidden  # and its two norms
     head = 0 if config["tie_word_embeddings"] else vocab * hidden
     return vocab * hidden + config["num_hidden_layers"] * layer + hidden + head
 

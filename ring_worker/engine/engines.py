@@ -132,7 +132,7 @@ class Engine:
             for index, step in enumerate(self._prefill_steps(chunks[first:], cache)):
                 if step.chunk is not None:
                     step = Step(step.chunk + first, step.last_hidden)
-                if checkpoints and index == 0:  # every rank, at its first step
+                if checkpoints and checkpoints.taking is None and index == 0:  # every rank
                     done = ends[step.chunk] if step.chunk is not None else None
                     self._decide_checkpoints(checkpoints, started, before, done, total)
                 if step.last_hidden is not None:
@@ -177,7 +177,7 @@ class Engine:
         projected_s = 0.0
         if done is not None and done < total:
             cost = partial(model_prefill_flops, self.model.args)
-            projected_s = (time.perf_counter() - started) * cost(done, total) / cost(before, done)
+            projected_s = seconds_left(cost, time.perf_counter() - started, before, done, total)
         checkpoints.decide(max(self.gather_ints(int(1e3 * projected_s))) / 1e3)
 
     def _checkpoint(self, checkpoints: Checkpointer, cache: list[Any], done: int) -> None:
@@ -447,6 +447,14 @@ def logits_from_hidden(model: nn.Module, hidden: mx.array) -> mx.array:
     if model.args.tie_word_embeddings:
         return model.model.embed_tokens.as_linear(hidden)
     return model.lm_head(hidden)
+
+
+def seconds_left(
+    cost: Callable[[int, int], float], elapsed_s: float, start: int, done: int, total: int
+) -> float:
+    """A prefill's seconds still to go: the time tokens [start, done) took, scaled by the work
+    of [done, total) over theirs (later tokens attend to more, so they cost more)."""
+    return elapsed_s * cost(done, total) / cost(start, done)
 
 
 def model_prefill_flops(args: Any, start_tokens: int, end_tokens: int) -> float:

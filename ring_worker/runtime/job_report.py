@@ -9,7 +9,7 @@ from jobs.lifecycle import JobState
 from jobs.schemas import JobKind, JobResult, JobSpec, Progress
 from jobs.tokenizer import ChatTokenizer
 from ring_worker.engine.decode_text import cut_at_stop
-from ring_worker.engine.engines import DecodeResult, PrefillResult, ProgressFn
+from ring_worker.engine.engines import DecodeResult, PrefillResult, ProgressFn, seconds_left
 from ring_worker.runtime.job_io import JobIO
 from ring_worker.runtime.watchdog import Watchdog
 
@@ -87,7 +87,7 @@ def throttled(io: JobIO, lead: bool, clock: ReportClock | None = None, cost: Cos
         rate = (done - clock.phase_from) / elapsed if elapsed > 0 else 0.0
         eta_s = None
         if cost is not None and phase == "prefill" and done > clock.phase_from:
-            eta_s = elapsed * cost(done, total) / cost(clock.phase_from, done)
+            eta_s = seconds_left(cost, elapsed, clock.phase_from, done, total)
         io.progress(
             Progress(
                 phase=JobState(phase),
