@@ -49,7 +49,7 @@ class LocalCluster:
         self.settings = settings
         self.extra_env = extra_env or {}
         if gpus is None:
-            gpus = list(installed_gpus()) if settings.backend in ("auto", "cuda") else []
+            gpus = local_gpus(settings)
         self.nodes = local_nodes(gpus, node_count, name_prefix)
         self.node_names = [node.name for node in self.nodes]
         self.redis: RedisHandle | None = None
@@ -280,8 +280,13 @@ def demo(model: str | None, ranks: int | None, max_tokens: int) -> None:
 def demo_ranks(settings: Settings) -> int:
     """The demo's ranks where none are asked for: the GPUs it finds (one: single on it; more: a
     ring over them, up to 8), else a ring of 2 on the CPU."""
-    gpus = installed_gpus() if settings.backend in ("auto", "cuda") else ()
+    gpus = local_gpus(settings)
     return min(len(gpus), 8) if gpus else 2
+
+
+def local_gpus(settings: Settings) -> list[str]:
+    """The GPUs local nodes run on: this machine's, unless RINGQ_BACKEND asks for the CPU."""
+    return list(installed_gpus()) if settings.backend in ("auto", "cuda") else []
 
 
 @click.command()
