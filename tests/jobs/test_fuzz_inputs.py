@@ -18,7 +18,14 @@ from jobs.batch_input import Defaults, ParsedBatch, parse_batch_lines, require_v
 from jobs.errors import BatchInputError
 from jobs.schemas import JobSpec, check_job_id
 
-FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same examples every run, so a share just under its floor cannot fail CI at
+# random (a random draw of the structured lines accepted 6 % once, 9-27 % usually).
+FUZZ = settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 MODEL = "random:tiny-llama"  # resolves without reading any file
 
 # Text with everything a JSON string can hold: control characters, NUL, lone surrogates.
