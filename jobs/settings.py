@@ -131,11 +131,12 @@ class Settings(BaseSettings):
         "least this many seconds more takes checkpoints: a shorter one costs less to redo after "
         "a crash than to insure; 0: every prefill does.",
     )
-    checkpoint_budget_bytes: int = Field(
-        default=16 * 1024**3,
+    checkpoint_budget_bytes: int | None = Field(
+        default=None,
         gt=0,
         description="Disk that the prefill checkpoints of a node's ranks may take (under "
-        "RINGQ_HOME/checkpoints/<job>/<node>); past it they are skipped. Apart from "
+        "RINGQ_HOME/checkpoints/<job>/<node>); past it they are skipped; unset: a segment is "
+        "written while the disk keeps a tenth of its size free after it. Apart from "
         "RINGQ_CACHE_BYTES: ring_worker/engine/checkpoint.py says why.",
     )
     backend: Literal["auto", Device] = Field(

@@ -154,8 +154,8 @@ class BatchDecoder:
 
     def add(self, request: DecodeRequest, prefill: PrefillResult) -> None:
         """Join at the next step (call between steps, on every rank in the same order). The
-        prefill's KV is copied into the batch now and its first token sampled from its logits;
-        the decoder keeps no reference to the prefill (drop yours to free it)."""
+        prefill's KV moves into the batch now (`prefill.cache` is left empty: BatchCache.add)
+        and its first token is sampled from its logits."""
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
         if request.key in self.members:

@@ -6,10 +6,12 @@ segment, `RINGQ_HOME/checkpoints/<job>/<node>/<layout>-rank<r>-<start>-<end>.saf
 prompt-cache format); a checkpoint is the chain of segments from token 0. Writing only the new
 part keeps the cost per token constant. The compute thread only materialises the new slices; a
 writer thread writes them to a temporary file and renames it, so a crash mid-write leaves the
-chain before it whole. A node's segments count against RINGQ_CHECKPOINT_BUDGET_BYTES (past it the
-rank's chain stops growing) and are deleted when the job ends. It is not the kept caches' budget
-(RINGQ_CACHE_BYTES): that store is full in its steady state, and evicting from it here would
-leave its index entries in Redis, which the engine does not reach, stale."""
+chain before it whole. A node's segments count against RINGQ_CHECKPOINT_BUDGET_BYTES, by default
+the disk down to a tenth of its size free (past it the rank's chain stops growing: a 1M-token
+prompt of the Qwen2.5-1M shape holds 57 GB of KV), and are deleted when the job ends. It is not
+the kept caches' budget (RINGQ_CACHE_BYTES): that store is full in its steady state, and
+evicting from it here would leave its index entries in Redis, which the engine does not reach,
+stale."""
 
 import contextlib
 import logging
@@ -31,6 +33,7 @@ from jobs.files import file_bytes, folder_bytes
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
+DISK_RESERVE = 0.1  # of the disk's size, kept free when no budget is set
 
 
 def checkpoint_dir(home: Path, job_id: str) -> Path:
@@ -187,7 +190,7 @@ class Checkpointer:
         layout: str,
         rank: int,
         every_tokens: int,
-        budget_bytes: int,
+        budget_bytes: int | None,
         on_change: Callable[[int], None] | None = None,
         skip_while_busy: bool = False,
         node: str | None = None,
@@ -196,7 +199,8 @@ class Checkpointer:
     ):
         """`after_s`: checkpoints are taken only in a prefill the ranks project (after its first
         step, `decide`) to take at least this many seconds more; 0: in every prefill.
-        `node`: its parts go to the node's folder, and `budget_bytes` bounds that node's parts.
+        `node`: its parts go to the node's folder, and `budget_bytes` bounds that node's parts
+        (None: the disk keeps DISK_RESERVE of its size free).
         `on_change(tokens)`: called from the writer thread once the checkpoint reaches `tokens` on
         disk, and with 0 once it is deleted. `skip_while_busy`: no checkpoint is due while the
         writer still writes the last one, until the unsaved part reaches `max_segment_tokens`; so
@@ -310,7 +314,7 @@ class Checkpointer:
     def _write(self, segment: _Segment) -> None:
         size = sum(c.keys.nbytes + c.values.nbytes for c in segment.caches)
         # a segment missing breaks the chain: later ones could not be continued from
-        if self.skipped or checkpoint_bytes(self.home, self.node) + size > self.budget_bytes:
+        if self.skipped or not self._room_for(size):
             self.skipped += 1
             log.info(
                 "job %s rank %d: checkpoint at %d tokens skipped (disk budget)",
@@ -331,6 +335,13 @@ class Checkpointer:
         )
         self.report(segment.end_tokens)
 
+    def _room_for(self, size: int) -> bool:
+        if self.budget_bytes is not None:
+            return checkpoint_bytes(self.home, self.node) + size <= self.budget_bytes
+        self.home.mkdir(parents=True, exist_ok=True)
+        disk = shutil.disk_usage(self.home)
+        return disk.free - size >= DISK_RESERVE * disk.total
+
     def report(self, tokens: int) -> None:
         if self.on_change is None:
             return
@@ -343,7 +354,7 @@ class Checkpointer:
 def start_checkpoints(
     home: Path,
     every_tokens: int,
-    budget_bytes: int,
+    budget_bytes: int | None,
     job_id: str,
     layout: str,
     rank: int,

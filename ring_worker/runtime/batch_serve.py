@@ -164,8 +164,8 @@ class BatchServer:
         report = kicking(self.watchdog, throttled(io, lead, clock))
         if not self.decoder.busy:
             self.first_row = batch_buffer_tokens(len(job.tokens) + job.spec.max_tokens, 0)
-        self.decoder.add(self.request(io, job, text, report), job.prefill)
         keep_beside_batch(self.engine, self.prefix, io, job)
+        self.decoder.add(self.request(io, job, text, report), job.prefill)
         self.members[io.job_id] = _Member(io, without_kv(job), load_s, text, clock, began)
         self.pace_members()
 
@@ -358,9 +358,10 @@ def without_kv(job: Prefilled) -> Prefilled:
 def keep_beside_batch(
     engine: Engine, prefix: RankPrefixCache | None, io: JobIO, job: Prefilled
 ) -> None:
-    """Keep the prompt's KV as after any job, now that the batch holds its own copy in a row.
-    The memory copy stays only within the room beside this job's own estimate
-    (ring_worker/engine/memory_tier.py); a joined job has no room, so its copy leaves at once."""
+    """Keep the prompt's KV as after any job, before it moves into the batch's row. The
+    memory copy stays only within the room beside this job's own estimate
+    (ring_worker/engine/memory_tier.py); a joined job has no room, so its copy leaves at once
+    and the move frees the prompt's buffers layer by layer."""
     keep_prefix(engine, prefix, io, job)
     if prefix is not None:
         prefix.bound_memory(memory_room(io))

@@ -143,3 +143,25 @@ def test_rows_keep_their_positions_when_the_buffers_shrink():
     assert batch.cache.slots == 4
     with pytest.raises(ValueError, match="cannot shrink"):
         batch.cache.shrink(2)  # 3 rows
+
+
+def test_a_join_moves_the_prompts_kv_holding_it_once_and_one_layer():
+    layers = 8
+    caches = [random_cache(length=4096) for _ in range(layers)]  # 4 MiB a layer
+    mx.eval([c.state for c in caches])
+    layer_bytes = caches[0].keys.nbytes + caches[0].values.nbytes
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    BatchCache(layers).add(caches, max_tokens=1)
+    assert all(c.keys is None for c in caches)  # the prompt's entries are emptied
+    # a layer at a time: its new buffer (4352 columns, room for the answer), the update's copy
+    # of it, and the prompt's layer until it is dropped; not the other layers' prompt KV
+    assert mx.get_peak_memory() - before <= 3 * layer_bytes
+    assert mx.get_active_memory() - before <= 0.5 * layer_bytes  # the KV moved, not doubled
+
+
+def random_cache(length: int, heads: int = 2, dim: int = 64) -> KVCache:
+    cache = KVCache()
+    cache.update_and_fetch(*mx.random.normal((2, 1, heads, length, dim)))
+    return cache

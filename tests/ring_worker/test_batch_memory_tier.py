@@ -1,4 +1,4 @@
-"""In a group that decodes in batches, a job's prompt KV is copied into a batch row; the memory
+"""In a group that decodes in batches, a job's prompt KV moves into a batch row; the memory
 tier's copy of the same KV stays beside it only within the room its reservation leaves
 (ring_worker/runtime/batch_serve.py `keep_beside_batch`, ring_worker/engine/memory_tier.py). Its
 disk copy is
@@ -49,13 +49,13 @@ def test_the_memory_copy_beside_a_batch_row_stays_only_within_the_room(
     spec = JobSpec(kind=JobKind.GENERATE, document="d", prompt="q", model="m")
     prefill = engine.prefill(tokens, CHUNK_TOKENS)
     job = Prefilled(spec, tokens, prefill, None, time.time(), lambda *_: None, True)
-    decoder = BatchDecoder(engine)
-    decoder.add(DecodeRequest("bm", MAX_TOKENS), prefill)  # the row: a copy of its KV
     held_bytes = sum(c.keys.nbytes + c.values.nbytes for c in prefill.cache)
     own = 10**9
     io = placed_job(JobStore(redis_conn), own + (held_bytes if room == "enough" else 0), own)
+    decoder = BatchDecoder(engine)
     try:
         keep_beside_batch(engine, prefix, io, job)
+        decoder.add(DecodeRequest("bm", MAX_TOKENS), prefill)  # the KV moves into the row
         if room == "none":  # a fresh group, or a job that joined a busy batch
             assert prefix.memory is None
         else:  # a warm group that held more for an earlier, larger job

@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from ring_worker.engine import checkpoint
 from ring_worker.engine.checkpoint import (
     Checkpointer,
     Resume,
@@ -118,6 +119,18 @@ def test_checkpoints_over_the_disk_budget_are_skipped(short_tmp_path):
     saver.save(filled_cache(64), 64, {})
     saver.close()
     assert saver.skipped == 1 and checkpoint_bytes(short_tmp_path) == 0
+
+
+@pytest.mark.parametrize(("reserve", "written"), [(0.0, True), (1.0, False)])
+def test_without_a_budget_checkpoints_keep_the_disk_reserve_free(
+    short_tmp_path, monkeypatch, reserve, written
+):
+    monkeypatch.setattr(checkpoint, "DISK_RESERVE", reserve)
+    saver = Checkpointer(short_tmp_path, "j", "single-1", 0, every_tokens=64, budget_bytes=None)
+    saver.save(filled_cache(64), 64, {})
+    saver.close()
+    assert (saver.skipped == 0) is written
+    assert (checkpoint_bytes(short_tmp_path) > 0) is written
 
 
 @pytest.mark.parametrize(
