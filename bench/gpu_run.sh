@@ -5,6 +5,8 @@
 #                                     # then checkpoints off: 32K and 128K, cold and warm
 #   bash bench/gpu_run.sh long-document  # Qwen2.5-1M shape: LONG_TOKENS (1M on an H200,
 #                                     # 524288 on an H100), progress, resume, a second question
+#   bash bench/gpu_run.sh long-peak   # the Qwen2.5-1M shape's MLX peak, prefill and decode apart
+#   bash bench/gpu_run.sh workload    # the whole batch: ringq against mlx_lm.server, the floor
 #   bash bench/gpu_run.sh demo        # ringq demo on one GPU; rank start profile
 #   bash bench/gpu_run.sh calibrate   # GPU peak probe, admission calibration
 #   bash bench/gpu_run.sh pacing      # peak and speed, prefill paced or not
@@ -53,9 +55,19 @@ for part in "$@"; do
     long-document)
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
       case "$gpu" in *H200*) tokens=1000000; machine=h200 ;; *) tokens=524288; machine=h100 ;; esac
-      timeout 590 python3 -m bench.long_document --model random:qwen2.5-7b-1m \
+      timeout 1500 python3 -m bench.long_document --model random:qwen2.5-7b-1m \
         --tokens ${LONG_TOKENS:-$tokens} --machine $machine \
         --out "$out/long-document-$machine.json"
+      ;;
+    long-peak)
+      python3 -m bench.probes.long_peak --model random:qwen2.5-7b-1m --tokens 131072,262144 \
+        2>&1 | tee "$out/long-peak.txt"
+      ;;
+    workload)
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+      case "$gpu" in *H200*) machine=h200 ;; *) machine=h100 ;; esac
+      python3 -m bench.workload --scale gpu --peak-tflops 989 --machine $machine \
+        --logs /tmp/logs/workload --out "$out/workload-$machine.json"
       ;;
     demo)
       python3 - > "$out/rank-start.txt" 2>&1 <<'PY'
