@@ -4,6 +4,10 @@ A batch is a JSON BatchRecord in Redis; each request is an ordinary job whose id
 `{batch id}-{line number}`, so `ringq status` and `ringq result` work on it too. Status and
 results read only the jobs' small fields, in one pipelined round trip.
 
+A batch created through `ringq serve` is fed in a window (jobs/batch_feed.py): its record lists
+every request, but only the lines its Feed says are enqueued have jobs. The others count as
+queued, or, once the feed is stopped (a cancel), end in the state it names without a job.
+
 Results follow the OpenAI Batch output format, in input order; failed and cancelled requests
 become error lines. A prefill job's line has an empty assistant message and its prompt token
 count in `usage`."""
@@ -12,7 +16,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
@@ -33,6 +37,8 @@ from jobs.schemas import (
 from jobs.settings import Settings
 from jobs.store import JobStore
 from jobs.submit import enqueue_jobs
+
+NOT_ENQUEUED_REASON = "the batch was cancelled before this request was enqueued"
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,29 @@ class BatchResults:
 
 
 @dataclass(frozen=True)
+class Feed:
+    """How far a windowed batch is enqueued (keys.batch_feed): lines 0..enqueued-1 have jobs,
+    at most `window` of them unfinished (RINGQ_BATCH_WINDOW of the server that created it). Once
+    `stopped`, no further line is enqueued: the others end in that state, for `reason`."""
+
+    total: int
+    enqueued: int
+    window: int
+    stopped: JobState | None = None
+    reason: str = ""
+
+    @property
+    def waiting_state(self) -> JobState:
+        """The state a line that is not enqueued counts as."""
+        return self.stopped or JobState.QUEUED
+
+    @property
+    def done(self) -> bool:
+        """Whether no line is left to enqueue."""
+        return self.stopped is not None or self.enqueued >= self.total
+
+
+@dataclass(frozen=True)
 class BatchCancel:
     cancelled: int  # had not started: cancelled now
     stopping: int  # running: their ranks stop at the next chunk or decode step
@@ -87,28 +116,39 @@ def submit_batch(
     skipped: Sequence[SkippedLine] = (),
     settings: Settings | None = None,
 ) -> BatchRecord:
-    """Record the batch (claiming its id), then enqueue its jobs with a few pipelines.
-    `skipped`: the invalid lines left out, kept for the errors file. `settings`: the caller's
-    (jobs.submit.enqueue_jobs)."""
+    """Record the batch (claiming its id), then enqueue all its jobs with a few pipelines (the
+    operator's way: `ringq batch submit`, the Python client; jobs/batch_feed.py feeds the
+    batches of `ringq serve` in a window). `skipped`: the invalid lines left out, kept for the
+    errors file. `settings`: the caller's (jobs.submit.enqueue_jobs)."""
+    record = new_batch_record(items, input_name, skipped_lines, batch_id, skipped)
+    ttl_s = JobStore(conn).job_ttl_s
+    if not conn.set(keys.batch(record.id), record.model_dump_json(), nx=True, ex=ttl_s):
+        raise InvalidJobError(f"a batch with id {record.id!r} already exists; choose another id")
+    conn.zadd(keys.BATCHES_INDEX, {record.id: record.created_at})
+    jobs = [(entry.job_id, item.spec) for entry, item in zip(record.entries, items, strict=True)]
+    enqueue_jobs(conn, jobs, settings=settings)
+    return record
+
+
+def new_batch_record(
+    items: Sequence[BatchItem],
+    input_name: str,
+    skipped_lines: int = 0,
+    batch_id: str | None = None,
+    skipped: Sequence[SkippedLine] = (),
+) -> BatchRecord:
+    """The record of a new batch of `items` (its id checked, or a new one)."""
     batch_id = _checked_id(batch_id or new_batch_id())
     if not items:
         raise InvalidJobError(f"{input_name}: no requests to enqueue")
-    entries = [_entry(batch_id, item) for item in items]
-    record = BatchRecord(
+    return BatchRecord(
         id=batch_id,
         created_at=time.time(),
         input_name=input_name,
-        entries=entries,
+        entries=[_entry(batch_id, item) for item in items],
         skipped_lines=max(skipped_lines, len(skipped)),
         skipped=list(skipped),
     )
-    ttl_s = JobStore(conn).job_ttl_s
-    if not conn.set(keys.batch(batch_id), record.model_dump_json(), nx=True, ex=ttl_s):
-        raise InvalidJobError(f"a batch with id {batch_id!r} already exists; choose another id")
-    conn.zadd(keys.BATCHES_INDEX, {batch_id: record.created_at})
-    jobs = [(entry.job_id, item.spec) for entry, item in zip(entries, items, strict=True)]
-    enqueue_jobs(conn, jobs, settings=settings)
-    return record
 
 
 def get_batch(conn: redis.Redis, batch_id: str) -> BatchRecord:
@@ -118,13 +158,61 @@ def get_batch(conn: redis.Redis, batch_id: str) -> BatchRecord:
     return BatchRecord.model_validate_json(raw)
 
 
+def read_feed(conn: redis.Redis, batch_id: str) -> Feed | None:
+    """The batch's feed; None for a batch enqueued whole (or whose feed expired)."""
+    return parse_feed(conn.hgetall(keys.batch_feed(batch_id)))
+
+
+def parse_feed(raw: dict[Any, Any]) -> Feed | None:
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    if "total" not in fields:
+        return None
+    stopped = fields.get("stopped")
+    return Feed(
+        total=int(fields["total"]),
+        enqueued=int(fields.get("enqueued", 0)),
+        window=int(fields.get("window", 1)),
+        stopped=JobState(stopped) if stopped else None,
+        reason=fields.get("reason", ""),
+    )
+
+
+def stop_feed(
+    conn: redis.Redis, batch_id: str, state: JobState, reason: str
+) -> tuple[Feed | None, bool]:
+    """Enqueue no further line of the batch: those not enqueued end in `state`. Returns the
+    feed as it stands (None: the batch is enqueued whole) and whether this call stopped it. The
+    feeders WATCH the feed, so none enqueues a line once this has run."""
+    key = keys.batch_feed(batch_id)
+    with conn.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(key)
+                feed = parse_feed(pipe.hgetall(key))
+                if feed is None or feed.stopped is not None:
+                    pipe.unwatch()
+                    return feed, False
+                pipe.multi()
+                pipe.hset(key, mapping={"stopped": state.value, "reason": reason})
+                pipe.execute()
+                return replace(feed, stopped=state, reason=reason), True
+            except redis.WatchError:
+                continue
+
+
 def job_states(conn: redis.Redis, record: BatchRecord) -> list[JobState | None]:
-    """Each job's state in input order (None: its record expired), in one round trip."""
+    """Each job's state in input order (None: its record expired; a line not enqueued yet:
+    its feed's waiting state), in one round trip."""
     with conn.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.batch_feed(record.id))  # first: a line it counts has its job
         for entry in record.entries:
             pipe.hget(keys.job(entry.job_id), "state")
-        raw_states = pipe.execute()
-    return [None if raw is None else JobState(json.loads(raw)) for raw in raw_states]
+        raw_feed, *raw_states = pipe.execute()
+    states = [None if raw is None else JobState(json.loads(raw)) for raw in raw_states]
+    feed = parse_feed(raw_feed)
+    if feed is None:
+        return states
+    return [*states[: feed.enqueued], *[feed.waiting_state] * (len(states) - feed.enqueued)]
 
 
 def batch_counts(conn: redis.Redis, record: BatchRecord) -> BatchCounts:
@@ -143,13 +231,22 @@ def batch_results(conn: redis.Redis, batch_id: str) -> BatchResults:
     record = get_batch(conn, batch_id)
     fields = ("state", "kind", "result", "error", "updated_at")
     with conn.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.batch_feed(record.id))
         for entry in record.entries:
             pipe.hmget(keys.job(entry.job_id), fields)
-        rows = pipe.execute()
+        raw_feed, *rows = pipe.execute()
+    feed = parse_feed(raw_feed)
+    enqueued = len(rows) if feed is None else feed.enqueued
     outputs: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     pending = 0
-    for entry, row in zip(record.entries, rows, strict=True):
+    for index, (entry, row) in enumerate(zip(record.entries, rows, strict=True)):
+        if feed is not None and index >= enqueued:
+            if feed.stopped is None:
+                pending += 1
+            else:
+                errors.append(error_line(entry, feed.stopped.value, feed.reason))
+            continue
         if row[0] is None:
             errors.append(error_line(entry, "expired", "the job's record expired from Redis"))
             continue
@@ -167,11 +264,17 @@ def batch_results(conn: redis.Redis, batch_id: str) -> BatchResults:
 
 
 def cancel_batch(conn: redis.Redis, batch_id: str) -> BatchCancel:
-    """Cancel every job of the batch that is not final (jobs/cancel.py, in bulk)."""
+    """Cancel every job of the batch that is not final (jobs/cancel.py, in bulk); a fed batch's
+    feed stops first, so its lines not enqueued end cancelled without ever having a job."""
     record = get_batch(conn, batch_id)
-    job_ids = [entry.job_id for entry in record.entries]
+    feed, stopped_now = stop_feed(conn, batch_id, JobState.CANCELLED, NOT_ENQUEUED_REASON)
+    enqueued = len(record.entries) if feed is None else feed.enqueued
+    job_ids = [entry.job_id for entry in record.entries[:enqueued]]
     cancelled, stopping, already_final = cancel_many(conn, job_ids, JobStore(conn).job_ttl_s)
-    return BatchCancel(cancelled, stopping, already_final)
+    never_enqueued = len(record.entries) - enqueued
+    if stopped_now:
+        return BatchCancel(cancelled + never_enqueued, stopping, already_final)
+    return BatchCancel(cancelled, stopping, already_final + never_enqueued)
 
 
 def output_line(
@@ -250,6 +353,10 @@ def _bucket(state: JobState | None) -> str:
     if state in (JobState.QUEUED, JobState.FAILED, JobState.CANCELLED):
         return state.value
     return "running"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _checked_id(batch_id: str) -> str:

@@ -37,6 +37,15 @@ def batch(batch_id: str) -> str:
     return f"{PREFIX}:batch:{batch_id}"  # JSON BatchRecord: its jobs in input order
 
 
+def batch_feed(batch_id: str) -> str:
+    # hash: total, enqueued (lines 0..enqueued-1 have jobs), window, stopped (the JobState the
+    # lines not enqueued end in), reason; only for batches fed in a window (jobs/batch_feed.py)
+    return f"{PREFIX}:batch:{batch_id}:feed"
+
+
+BATCH_FEEDS = f"{PREFIX}:batch-feeds"  # set: ids of batches with lines still to enqueue
+
+
 def node(name: str) -> str:
     return f"{PREFIX}:node:{name}"  # JSON NodeInfo, expires unless the agent heartbeats
 

@@ -14,6 +14,8 @@ from jobs.lifecycle import JobState
 
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "$" would allow a "\n"
 DEFAULT_GENERATE_PROMPT = "Summarise the document above in a few sentences."
+# What a final job's spec.document reads: its record no longer holds the text (jobs/store.py)
+DROPPED_DOCUMENT = "(the document left the record when the job ended)"
 StopText = Annotated[str, Field(min_length=1, max_length=256)]
 
 
@@ -157,6 +159,9 @@ class JobRecord(JobHeader):
     spec: JobSpec
     result: JobResult | None = None
     retry_reasons: list[str] = []  # why each earlier group was lost
+    document_chars: int | None = None  # the document's length (None: a record from before)
+    # final: the record no longer holds the document, and spec.document reads DROPPED_DOCUMENT
+    document_dropped: bool = False
 
 
 class BatchEntry(_Message):

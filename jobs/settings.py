@@ -79,6 +79,15 @@ class Settings(BaseSettings):
         gt=0,
         description="How long a job's record, tokens, flags and batch keys are kept.",
     )
+    batch_window: int = Field(
+        default=64,
+        ge=1,
+        description="Jobs of one `/v1/batches` batch unfinished in Redis at a time; `ringq "
+        "serve` enqueues the next lines from its spool under RINGQ_HOME/batches as earlier "
+        "ones end, so Redis holds at most this many of its documents. 64 is twice the decode "
+        "batch of a CUDA group (RINGQ_MAX_BATCH's 32), so a warm group never waits for the "
+        "feeder; raise it where more of one batch's jobs can run at once (several GPUs).",
+    )
     node_max_groups: int = Field(
         default=2,
         gt=0,

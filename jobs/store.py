@@ -1,4 +1,9 @@
-"""Job records in Redis: one hash per job, JSON fields, state changes checked and atomic."""
+"""Job records in Redis: one hash per job, JSON fields, state changes checked and atomic.
+
+The document is a field of its own (DOCUMENT_FIELD), not part of the stored spec: the transition
+to a final state deletes it in the same transaction (jobs/cancel.py's script does too), so Redis
+holds the documents of unfinished jobs only. Nothing reads a final job's document: retries go
+back to queued before any final state, and every view shows the spec without it."""
 
 import json
 import time
@@ -17,10 +22,11 @@ from jobs.errors import (
     StaleGroupError,
 )
 from jobs.lifecycle import JobState, can_transition
-from jobs.schemas import JobRecord, JobResult, JobSpec, NodeInfo, Progress
+from jobs.schemas import DROPPED_DOCUMENT, JobRecord, JobResult, JobSpec, NodeInfo, Progress
 from jobs.settings import get_settings
 
 SUMMARY_FIELD = "summary"  # small spec fields for listings (summary_fields), not a JobRecord field
+DOCUMENT_FIELD = "document"  # the spec's document (JSON string) until the job is final
 # The transaction that last wrote the record (not a JobRecord field). A connection lost during
 # EXEC reaches the caller as a WatchError (redis-py: the watch died with it), though the server
 # may have applied it: the retry finds its own token here and stops, instead of taking its own
@@ -28,7 +34,7 @@ SUMMARY_FIELD = "summary"  # small spec fields for listings (summary_fields), no
 # is not allowed").
 WRITE_FIELD = "write"
 ORDER_STEP_S = 1e-6  # created_at apart, in order, of the records written together
-NOT_RECORD_FIELDS = frozenset({SUMMARY_FIELD, WRITE_FIELD})
+NOT_RECORD_FIELDS = frozenset({SUMMARY_FIELD, WRITE_FIELD, DOCUMENT_FIELD})
 UNFINISHED_ENDS = frozenset({JobState.FAILED, JobState.CANCELLED})  # final, but not finished
 
 
@@ -78,7 +84,7 @@ class JobStore:
             for i, (job_id, spec) in enumerate(jobs)
         ]
         for record in records:
-            fields = {**record.model_dump(mode="json"), SUMMARY_FIELD: summary_fields(record.spec)}
+            fields = stored_fields(record)
             if write is not None:
                 fields[WRITE_FIELD] = write
             pipe.hset(keys.job(record.id), mapping=_encode(fields))
@@ -99,6 +105,12 @@ class JobStore:
             raise CorruptRecordError(
                 f"job {job_id!r}: its record in Redis is not valid JSON"
             ) from None
+        spec = fields.get("spec")
+        if isinstance(spec, dict):  # else the record is corrupt: validation says how
+            if DOCUMENT_FIELD in fields:  # records from before keep it in the spec
+                spec["document"] = fields[DOCUMENT_FIELD]
+            if fields.get("document_dropped"):
+                spec["document"] = DROPPED_DOCUMENT
         return JobRecord.model_validate(
             {k: v for k, v in fields.items() if k not in NOT_RECORD_FIELDS}
         )
@@ -126,6 +138,7 @@ class JobStore:
                     raw_state, raw_placement, raw_created, raw_write = pipe.hmget(
                         key, ["state", "placement", "created_at", WRITE_FIELD]
                     )
+                    holds_document = new.is_final and pipe.hexists(key, DOCUMENT_FIELD)
                     if raw_state is None:
                         raise JobNotFoundError(f"no job {job_id!r}")
                     if _written_by(raw_write, write):
@@ -140,6 +153,9 @@ class JobStore:
                     pipe.hset(key, mapping=_encode(written))
                     if fields:
                         pipe.hset(key, mapping=_encode(_dump(fields)))
+                    if holds_document:
+                        pipe.hdel(key, DOCUMENT_FIELD)
+                        pipe.hset(key, "document_dropped", json.dumps(True))
                     move_in_state_index(pipe, job_id, old, new, json.loads(raw_created or "0"))
                     if also is not None:
                         also(pipe)
@@ -230,6 +246,13 @@ def move_in_state_index(
     pipe.zadd(keys.jobs_in_state(new), {job_id: created_at})
 
 
+def stored_fields(record: JobRecord) -> dict[str, Any]:
+    """A new record's hash fields: the spec without its document, the document apart."""
+    fields = record.model_dump(mode="json")
+    fields[DOCUMENT_FIELD] = fields["spec"].pop("document")
+    return {**fields, SUMMARY_FIELD: summary_fields(record.spec)}
+
+
 def summary_fields(spec: JobSpec) -> dict[str, Any]:
     """What a job list shows of the spec, stored apart so a list never reads the document."""
     return {
@@ -258,6 +281,7 @@ def _new_record(job_id: str, spec: JobSpec, now: float) -> JobRecord:
         progress=Progress(phase=JobState.QUEUED, updated_at=now),
         created_at=now,
         updated_at=now,
+        document_chars=len(spec.document),
     )
 
 

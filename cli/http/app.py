@@ -1,6 +1,9 @@
-"""The FastAPI app of `ringq serve`: routes per area, OpenAI-shaped errors, bearer keys."""
+"""The FastAPI app of `ringq serve`: routes per area, OpenAI-shaped errors, bearer keys, and
+the thread that feeds its batches (jobs/batch_feed.py) while it serves."""
 
-from collections.abc import Sequence
+import threading
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import redis
 from fastapi import FastAPI
@@ -10,6 +13,7 @@ from cli.http import chat, dashboard, jobs_api, openai_batches, openai_files
 from cli.http.auth import key_middleware, origin_middleware, parse_keys
 from cli.http.errors import install_handlers
 from cli.http.guards import BodyLimits, SecurityHeaders
+from jobs.batch_feed import BatchFeeder
 from jobs.settings import Settings
 
 
@@ -19,9 +23,25 @@ def served_settings(settings: Settings) -> Settings:
     return settings.model_copy(update={"allowed_dirs": settings.allowed_dirs or []})
 
 
+@asynccontextmanager
+async def feeding(app: FastAPI) -> AsyncIterator[None]:
+    """The batch feeder runs in a thread while the app serves."""
+    feeder: BatchFeeder = app.state.feeder
+    stop = threading.Event()
+    thread = threading.Thread(target=feeder.run, args=(stop,), name="batch-feeder", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        feeder.wake.set()
+        thread.join(timeout=10)
+
+
 def create_app(conn: redis.Redis, settings: Settings, api_keys: Sequence[str]) -> FastAPI:
     """The app; `api_keys` are tenants, RINGQ_ADMIN_KEYS (in `settings`) see every tenant."""
     app = FastAPI(
+        lifespan=feeding,
         title="ringq",
         summary="OpenAI-compatible Files, Batches and Chat over ringq jobs, and its dashboard",
         docs_url=None,  # FastAPI's docs pages load their scripts from a CDN; /openapi.json stays
@@ -29,6 +49,7 @@ def create_app(conn: redis.Redis, settings: Settings, api_keys: Sequence[str]) -
     )
     app.state.conn = conn
     app.state.settings = served_settings(settings)
+    app.state.feeder = BatchFeeder(conn, app.state.settings)
     admin_keys = parse_keys(settings.admin_keys)
     every_key = [*api_keys, *admin_keys]
     limits = (settings.max_request_bytes, settings.max_upload_bytes, settings.max_json_depth)

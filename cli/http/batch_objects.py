@@ -205,9 +205,10 @@ def _recover_validation(
 
 
 def _all_enqueued(conn: redis.Redis, batch_id: str) -> bool:
-    """Whether every job of the batch is written. The batch's record is claimed before its jobs
-    are written (jobs.batch.submit_batch): a reader in between must not take the missing jobs
-    for expired ones and finish the batch as failed."""
+    """Whether every job of the batch is written (a fed batch's lines not enqueued yet count
+    as queued). The batch's record is claimed before its jobs are written (jobs.batch.
+    submit_batch): a reader in between must not take the missing jobs for expired ones and
+    finish the batch as failed."""
     try:
         return None not in job_states(conn, get_batch(conn, batch_id))
     except JobNotFoundError:

@@ -55,9 +55,11 @@ def read_views(
 
 
 def spec_json(record: JobRecord) -> dict[str, Any]:
-    """The spec without its document (its size and name instead)."""
+    """The spec without its document (its size and name instead; a final job's record keeps
+    only the size)."""
     spec = record.spec.model_dump(mode="json", exclude={"document"})
-    return {**spec, "document_chars": len(record.spec.document)}
+    chars = record.document_chars
+    return {**spec, "document_chars": len(record.spec.document) if chars is None else chars}
 
 
 def served_models() -> list[str]:

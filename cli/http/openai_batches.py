@@ -1,11 +1,12 @@
 """OpenAI's /v1/batches: create (from an uploaded input file), retrieve, list, cancel.
 
-Create answers at once with status "validating"; the input is checked and its jobs enqueued in
-the background (resolving a GGUF model takes seconds). Every line must be valid, as with OpenAI:
-one bad line fails the batch, and `errors` names the lines. OpenAI model names ("gpt-4o-mini")
-run where RINGQ_MODEL_ALIASES maps them, or with `metadata={"model": "smollm2"}`, which runs
-every line on that model; otherwise one error says so for the whole batch. A batch belongs to
-the tenant that created it (cli/http/tenants.py)."""
+Create answers at once with status "validating"; the input is checked in the background
+(resolving a GGUF model takes seconds), then its requests are spooled under RINGQ_HOME and fed
+to the queue RINGQ_BATCH_WINDOW jobs at a time (jobs/batch_feed.py). Every line must be valid,
+as with OpenAI: one bad line fails the batch, and `errors` names the lines. OpenAI model names
+("gpt-4o-mini") run where RINGQ_MODEL_ALIASES maps them, or with `metadata={"model":
+"smollm2"}`, which runs every line on that model; otherwise one error says so for the whole
+batch. A batch belongs to the tenant that created it (cli/http/tenants.py)."""
 
 import logging
 import time
@@ -25,13 +26,14 @@ from cli.http.batch_objects import (
     load,
     save,
 )
-from cli.http.deps import Config, Conn
+from cli.http.deps import Config, Conn, Feeder
 from cli.http.errors import ApiError
 from cli.http.file_store import FileStore
 from cli.http.openai_files import page
 from cli.http.tenants import Caller, Tenant, own_batch, own_jobs, visible_batch_ids
 from jobs import keys
-from jobs.batch import new_batch_id, submit_batch
+from jobs.batch import new_batch_id
+from jobs.batch_feed import BatchFeeder, start_feed
 from jobs.batch_input import (
     CHAT_COMPLETIONS_URL,
     LISTED_ERRORS,
@@ -40,7 +42,6 @@ from jobs.batch_input import (
     parse_batch_lines,
 )
 from jobs.errors import JobNotFoundError, RingqError
-from jobs.settings import Settings
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches")
@@ -64,7 +65,12 @@ class CreateBatch(BaseModel):
 
 @router.post("")
 def create(
-    body: CreateBatch, conn: Conn, settings: Config, tenant: Caller, background: BackgroundTasks
+    body: CreateBatch,
+    conn: Conn,
+    settings: Config,
+    tenant: Caller,
+    feeder: Feeder,
+    background: BackgroundTasks,
 ) -> dict[str, Any]:
     if body.endpoint != CHAT_COMPLETIONS_URL:
         raise ApiError(
@@ -96,7 +102,7 @@ def create(
     )
     save(conn, record, settings.job_ttl_s)
     own_batch(conn, tenant, record.id, settings.job_ttl_s)
-    background.add_task(validate_and_enqueue, conn, settings, record)
+    background.add_task(validate_and_enqueue, feeder, record)
     return batch_object(conn, record, settings)
 
 
@@ -157,12 +163,14 @@ def load_for(conn: redis.Redis, tenant: Tenant, batch_id: str) -> OpenAIBatchRec
     return record
 
 
-def validate_and_enqueue(conn: redis.Redis, settings: Settings, record: OpenAIBatchRecord) -> None:
-    """Check every line of the input file; enqueue them all, or fail the batch naming the bad
-    lines. A cancel that came before the jobs were enqueued wins: none is; one that came while
-    they were being enqueued cancels them."""
+def validate_and_enqueue(feeder: BatchFeeder, record: OpenAIBatchRecord) -> None:
+    """Check every line of the input file; spool them for the feeder (which enqueues the first
+    window at once), or fail the batch naming the bad lines. A cancel that came before the
+    batch was recorded wins: no job is enqueued; one that came after cancels its jobs and stops
+    its feed."""
+    conn, settings = feeder.conn, feeder.settings
     try:
-        errors = _enqueue(conn, settings, record)
+        errors = _enqueue(feeder, record)
     except RingqError as exc:
         errors = [LineErrorObject(code="invalid_file", message=str(exc))]
     except Exception as exc:  # the server outlives any one batch
@@ -183,9 +191,8 @@ def validate_and_enqueue(conn: redis.Redis, settings: Settings, record: OpenAIBa
     cancel_if_asked(conn, change(conn, record.id, settings.job_ttl_s, settle))
 
 
-def _enqueue(
-    conn: redis.Redis, settings: Settings, record: OpenAIBatchRecord
-) -> list[LineErrorObject]:
+def _enqueue(feeder: BatchFeeder, record: OpenAIBatchRecord) -> list[LineErrorObject]:
+    conn, settings = feeder.conn, feeder.settings
     files = FileStore(conn, settings)
     name = files.get(record.input_file_id).filename
     try:
@@ -208,8 +215,9 @@ def _enqueue(
         return [LineErrorObject(code="empty_file", message=f"{name}: no requests")]
     if load(conn, record.id).cancelling_at is None:
         owner = Tenant(record.owner, admin=False)
-        batch = submit_batch(conn, parsed.items, name, batch_id=record.id, settings=settings)
+        batch = start_feed(conn, settings, parsed.items, name, record.id)
         own_jobs(conn, owner, [entry.job_id for entry in batch.entries], settings.job_ttl_s)
+        feeder.wake.set()  # its first window now, not at the next poll
     return []
 
 

@@ -8,11 +8,14 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from jobs.lifecycle import FINAL_STATES
+from jobs.redis_server import connect
 from tests.cli.http_serving import call, serving
 from tests.helpers import long_stream
 
 MODEL = "random:tiny-llama"
 WAIT_S = 180
+FINAL = {state.value for state in FINAL_STATES}
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +153,32 @@ def test_cancel_a_batch_puts_its_lines_in_the_error_file(client):
     assert {e["error"]["code"] for e in errors} == {"cancelled"}
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(batch.id)
+
+
+def test_a_batch_fed_two_jobs_at_a_time_answers_every_line_in_order(cluster):
+    """RINGQ_BATCH_WINDOW=2: the server keeps at most two of the batch's jobs unfinished in
+    Redis, enqueueing the next lines as the cluster finishes earlier ones."""
+    settings = cluster.settings.model_copy(update={"batch_window": 2})
+    conn = connect(cluster.url)
+    with serving(settings, cluster.url) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        lines = [batch_line(f"w-{i}", f"Question {i}?", model=MODEL) for i in range(5)]
+        uploaded = client.files.create(file=("window.jsonl", jsonl(lines)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        deadline, most = time.monotonic() + WAIT_S, 0
+        while (done := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+            states = [conn.hget(f"ringq:job:{batch.id}-{n}", "state") for n in range(1, 6)]
+            most = max(most, sum(s is not None and json.loads(s) not in FINAL for s in states))
+            assert time.monotonic() < deadline, (done.status, done.request_counts)
+            time.sleep(0.1)
+        assert done.status == "completed", errors(client, done)
+        text = client.files.content(done.output_file_id).text
+    conn.close()
+    assert 1 <= most <= 2
+    output = [json.loads(line) for line in text.splitlines()]
+    assert [line["custom_id"] for line in output] == [f"w-{i}" for i in range(5)]
 
 
 def test_chat_completion_with_and_without_stream(client):

@@ -710,7 +710,7 @@ def test_bad_jobs_fail_in_the_cluster_and_it_stays_up(cluster, corpus):
         if record.state != JobState.FAILED or expect not in (record.error or ""):
             problems.append(f"{name}: {record.state} {record.error!r}, expected {expect!r}")
     assert problems == []
-    assert store.get(f"{run}-over-context").spec.document == "x" * 17_000  # not overwritten
+    assert store.get(f"{run}-over-context").document_chars == 17_000  # not overwritten
     wait_for(lambda: orphan.get_status(refresh=True) in ("finished", "failed"), "the orphan admit")
     cluster.check_children()  # the dispatcher and both node agents are alive
 

@@ -63,7 +63,8 @@ def one_at_a_time(tiny_llama_dir) -> dict[str, str | None]:
             wait_for(partial(batch_empty, store, group_id), "an empty batch")
         results = [r.result for r in records if r.result is not None]
         assert len(results) == len(records) and all(r.batch_size == 1 for r in results)
-        return {r.spec.document: result.text for r, result in zip(records, results, strict=True)}
+        # records in DOCUMENTS' order; a finished job's record no longer holds its document
+        return {d: result.text for d, result in zip(DOCUMENTS, results, strict=True)}
 
 
 def generate(model, document: str, max_tokens: int = 24, **fields) -> JobSpec:

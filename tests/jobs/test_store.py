@@ -2,15 +2,17 @@
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import pytest
 import redis
 
 from jobs import keys
+from jobs.cancel import cancel_job, cancel_many
 from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundError
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
-from jobs.schemas import JobKind, JobSpec, Progress
+from jobs.schemas import DROPPED_DOCUMENT, JobKind, JobResult, JobSpec, Progress
 from jobs.store import JobStore
 
 SPEC = JobSpec(kind=JobKind.PREFILL, document="hello world")
@@ -154,3 +156,37 @@ def create_or_error(store: JobStore, spec: JobSpec) -> bool:
         return True
     except InvalidJobError:
         return False
+
+
+def stored_text(conn: redis.Redis, job_id: str) -> bytes:
+    """Every field of the job's hash, names and values, as one string of bytes."""
+    fields = cast(dict[bytes, bytes], conn.hgetall(keys.job(job_id)))
+    return b" ".join(name + b"=" + value for name, value in fields.items())
+
+
+def test_a_final_job_drops_its_document_and_keeps_the_rest(store, redis_conn):
+    """Finished (a result), failed and cancelled (the transition, and cancel_many's script):
+    the record no longer holds the document; spec, result and its length stay."""
+    document = "A document that only this record holds. " * 50
+    spec = JobSpec(kind=JobKind.GENERATE, document=document, prompt="Why?", max_tokens=7)
+    for job_id in ("done", "failed", "cancelled", "cancelled-many", "live"):
+        store.create(job_id, spec)
+        assert document.encode() in stored_text(redis_conn, job_id)
+    for state in (JobState.ADMITTED, JobState.LOADING, JobState.PREFILL):
+        store.transition("done", state)
+    result = JobResult(
+        text="Because.", prompt_tokens=9, generated_tokens=2, prompt_tps=1.0,
+        generation_tps=1.0, load_s=0.0, prefill_s=0.1, decode_s=0.1, peak_memory_bytes=[1],
+    )  # fmt: skip
+    store.transition("done", JobState.FINISHED, result=result)
+    store.fail("failed", "a reason")
+    cancel_job(store, "cancelled")
+    cancel_many(redis_conn, ["cancelled-many"], ttl_s=60)
+    for job_id in ("done", "failed", "cancelled", "cancelled-many"):
+        assert document.encode() not in stored_text(redis_conn, job_id), job_id
+        record = store.get(job_id)
+        assert record.state.is_final and record.document_dropped, job_id
+        assert record.spec.document == DROPPED_DOCUMENT and record.spec.prompt == "Why?"
+        assert (record.spec.max_tokens, record.document_chars) == (7, len(document))
+    assert store.get("done").result == result
+    assert store.get("live").spec.document == document and not store.get("live").document_dropped
