@@ -340,6 +340,9 @@ def placement_request(
             f"backlog of {cluster.waiting_jobs + 1} jobs for {len(cluster.nodes)} GPUs: one job "
             "per GPU finishes it sooner than rings"
         )
+    elif one_machine(cluster.nodes):
+        ring_min = 0
+        reason = "the nodes share one machine's cores: a ring over them uses them all"
     if spec.ranks != "auto" or spec.strategy != "auto":
         reason = "as asked"
     if kept:
@@ -369,16 +372,38 @@ def capacities(
 ) -> list[NodeCapacity]:
     """What admission may still promise per node: its budget less what running groups hold
     (`idle`: idle warm groups count as free; `empty`: nothing runs). A node already running as
-    many groups as it may (RINGQ_NODE_MAX_GROUPS on CPU, one per GPU) has nothing to give."""
+    many groups as it may has nothing to give: one per GPU; on CPU, RINGQ_NODE_MAX_GROUPS per
+    machine, counted over the CPU nodes that share its cores (`machine`)."""
     idle_ids = {group.group_id for group, _ in cluster.idle} if idle else set()
-    found = []
+    busy_by_node: dict[str, dict[str, int]] = {}
+    on_machine: dict[str, set[str]] = {}  # machine -> groups running on its CPU nodes
     for node in cluster.nodes:
         held = {} if empty else cluster.held.get(node.name, {})
-        busy = {g: b for g, b in held.items() if g not in idle_ids}
+        busy_by_node[node.name] = {g: b for g, b in held.items() if g not in idle_ids}
+        if (cores := machine(node)) is not None:
+            on_machine.setdefault(cores, set()).update(busy_by_node[node.name])
+    found = []
+    for node in cluster.nodes:
+        busy = busy_by_node[node.name]
+        cores = machine(node)
+        running = len(busy) if cores is None else len(on_machine[cores])
         limit = 1 if node.backend == "cuda" else settings.node_max_groups
-        free = max(0, node.memory_bytes - sum(busy.values())) if len(busy) < limit else 0
+        free = max(0, node.memory_bytes - sum(busy.values())) if running < limit else 0
         found.append(capacity(node, free, job.model_dtype))
     return found
+
+
+def machine(node: NodeInfo) -> str | None:
+    """The cores a CPU node computes on, named by the address its ranks listen at: CPU nodes
+    at one address (`ringq up`'s local nodes, at 127.0.0.1) share one machine's cores, so a
+    group beside another there only slows both. None for a GPU node (its GPU is its own)."""
+    return node.address if node.backend == "cpu" else None
+
+
+def one_machine(nodes: list[NodeInfo]) -> bool:
+    """Several CPU nodes, all on one machine's cores."""
+    machines = {machine(n) for n in nodes}
+    return len(nodes) > 1 and len(machines) == 1 and None not in machines
 
 
 def capacity(node: NodeInfo, free_bytes: int, model_dtype: str) -> NodeCapacity:

@@ -89,10 +89,11 @@ class Settings(BaseSettings):
         "feeder; raise it where more of one batch's jobs can run at once (several GPUs).",
     )
     node_max_groups: int = Field(
-        default=2,
+        default=1,
         gt=0,
-        description="Groups a CPU node runs at once (they share its cores); a GPU node runs one "
-        "group per GPU, within its memory.",
+        description="Groups that run at once on one machine's CPU nodes (they share its cores: "
+        "a second group beside a running one only slows both); a GPU node runs one group per "
+        "GPU, within its memory.",
     )
     stall_timeout_s: float = Field(
         default=300.0,

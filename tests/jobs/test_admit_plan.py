@@ -51,8 +51,10 @@ def gpu(name: str, index: int, memory_gib: float = 130) -> NodeInfo:
     )
 
 
-def cpu(name: str, memory_gib: float = 64) -> NodeInfo:
-    return gpu(name, 0, memory_gib).model_copy(update={"backend": "cpu", "gpu": None})
+def cpu(name: str, memory_gib: float = 64, address: str | None = None) -> NodeInfo:
+    """A CPU node on a machine of its own (its own address), unless `address` is shared."""
+    update = {"backend": "cpu", "gpu": None, "address": address or f"host-{name}"}
+    return gpu(name, 0, memory_gib).model_copy(update=update)
 
 
 SETTINGS = Settings(redis_url=None)
@@ -92,6 +94,20 @@ def test_cpu_nodes_run_at_most_node_max_groups():
     two = {"c0": {"a": GIB, "b": GIB}}
     assert isinstance(plan_admission(job(100), Cluster(nodes, {"c0": {"a": GIB}}, []), tiny), Place)
     assert isinstance(plan_admission(job(100), Cluster(nodes, two, []), tiny), Wait)
+
+
+def test_cpu_nodes_of_one_machine_ring_over_it_and_run_one_group_at_a_time():
+    """`ringq up`'s local CPU nodes share one machine's cores: a short prompt rings over them
+    too, and a job waits while a group runs there, even one on the other node."""
+    local = [cpu("c0", address="127.0.0.1"), cpu("c1", address="127.0.0.1")]
+    place = plan_admission(job(100), Cluster(local, {}, []), SETTINGS)
+    assert isinstance(place, Place) and place.plan.nodes == ("c0", "c1")
+    assert "share one machine's cores" in place.reason
+    busy = {"c0": {"a": GIB}}
+    assert isinstance(plan_admission(job(100), Cluster(local, busy, []), SETTINGS), Wait)
+    apart = [cpu("c0"), cpu("c1")]  # two machines: a short prompt takes one, beside the other
+    place = plan_admission(job(100), Cluster(apart, busy, []), SETTINGS)
+    assert isinstance(place, Place) and place.plan.nodes == ("c1",)
 
 
 def test_gpu_estimates_are_in_the_models_dtype():

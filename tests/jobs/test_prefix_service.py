@@ -53,7 +53,7 @@ def reuse_cluster():
 
 @pytest.mark.slow
 def test_questions_on_one_document_prefill_it_once(reuse_cluster, cluster, tiny_llama_dir):
-    document = LONG_DOCUMENT[:4000]  # ~700 tokens: a single node (under RINGQ_RING_MIN_TOKENS)
+    document = LONG_DOCUMENT[:4000]  # ~700 tokens, on a ring over the machine's two nodes
     specs = questions(document, QUESTIONS, tiny_llama_dir, max_tokens=12)
     store = JobStore(connect(reuse_cluster.url))
     reused = run_together(store, specs)
@@ -70,7 +70,8 @@ def test_questions_on_one_document_prefill_it_once(reuse_cluster, cluster, tiny_
     assert [r.result.cached_tokens for r in plain] == [0, 0, 0]
     assert [r.result.text for r in reused] == [r.result.text for r in plain]
     [entry] = PrefixIndex(store.conn).listing()
-    assert entry.id == reused[0].id and entry.nodes() == reused[0].placement.nodes
+    # kept where its group ran (a replicated ring's rank 0 writes the KV every rank holds)
+    assert entry.id == reused[0].id and set(entry.nodes()) <= set(reused[0].placement.nodes)
 
 
 @pytest.mark.slow
