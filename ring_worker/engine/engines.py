@@ -21,6 +21,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from admission.model_shape import layer_parameters, prefill_flops
 from ring_worker.engine.checkpoint import Checkpointer, Resume
+from ring_worker.engine.eta import seconds_left
 from ring_worker.engine.pacing import LAYERS_IN_FLIGHT, block, paced_layers
 from ring_worker.engine.ring_attention import (
     ChunkSplit,
@@ -447,14 +448,6 @@ def logits_from_hidden(model: nn.Module, hidden: mx.array) -> mx.array:
     if model.args.tie_word_embeddings:
         return model.model.embed_tokens.as_linear(hidden)
     return model.lm_head(hidden)
-
-
-def seconds_left(
-    cost: Callable[[int, int], float], elapsed_s: float, start: int, done: int, total: int
-) -> float:
-    """A prefill's seconds still to go: the time tokens [start, done) took, scaled by the work
-    of [done, total) over theirs (later tokens attend to more, so they cost more)."""
-    return elapsed_s * cost(done, total) / cost(start, done)
 
 
 def model_prefill_flops(args: Any, start_tokens: int, end_tokens: int) -> float:

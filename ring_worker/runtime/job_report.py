@@ -2,14 +2,14 @@
 rank 0's throttled write) and the result it ends with."""
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from jobs.lifecycle import JobState
 from jobs.schemas import JobKind, JobResult, JobSpec, Progress
 from jobs.tokenizer import ChatTokenizer
 from ring_worker.engine.decode_text import cut_at_stop
-from ring_worker.engine.engines import DecodeResult, PrefillResult, ProgressFn, seconds_left
+from ring_worker.engine.engines import DecodeResult, PrefillResult, ProgressFn
+from ring_worker.engine.eta import Cost, PrefillPace
 from ring_worker.runtime.job_io import JobIO
 from ring_worker.runtime.watchdog import Watchdog
 
@@ -61,15 +61,13 @@ class ReportClock:
     phase_started_s: float = 0.0
     phase_from: int = 0  # tokens done at the phase's first report (a resumed prefill's start)
     last_write_s: float = 0.0
-
-
-Cost = Callable[[int, int], float]  # the work of tokens [start, end): the prompt's FLOPs
+    pace: PrefillPace | None = None  # a prefill's chunk times, for its ETA
 
 
 def throttled(io: JobIO, lead: bool, clock: ReportClock | None = None, cost: Cost | None = None):
     """Progress callback for the engine: rank 0 writes at most every `clock.interval_s`, and
     always the first and last update of a phase. With `cost`, a prefill's progress carries its
-    ETA: the seconds so far scaled by the work left over the work done, since a long prompt's
+    ETA from the pace of every chunk so far (ring_worker/engine/eta.py), since a long prompt's
     later tokens cost more (each attends to all before it) and tokens per second fall."""
     clock = clock or ReportClock()
 
@@ -79,15 +77,16 @@ def throttled(io: JobIO, lead: bool, clock: ReportClock | None = None, cost: Cos
         now = time.perf_counter()
         if phase != clock.phase:
             clock.phase, clock.phase_started_s, clock.phase_from = phase, now, done
+            clock.pace = PrefillPace(cost, done) if cost and phase == "prefill" else None
+        if clock.pace is not None:
+            clock.pace.add(done, now - clock.phase_started_s)
         if done not in (1, total) and now - clock.last_write_s < clock.interval_s:
             return
         clock.last_write_s = now
         # the phase's first report has no rate yet (0: unknown), not done / 1e-9
         elapsed = now - clock.phase_started_s
         rate = (done - clock.phase_from) / elapsed if elapsed > 0 else 0.0
-        eta_s = None
-        if cost is not None and phase == "prefill" and done > clock.phase_from:
-            eta_s = seconds_left(cost, elapsed, clock.phase_from, done, total)
+        eta_s = clock.pace.seconds_left(total) if clock.pace is not None else None
         io.progress(
             Progress(
                 phase=JobState(phase),
