@@ -13,7 +13,7 @@ from jobs.errors import IllegalTransitionError
 from jobs.lifecycle import FINAL_STATES, JobState
 from jobs.once import once, once_arg
 from jobs.schemas import JobRecord, JobResult
-from jobs.store import DOCUMENT_FIELD, JobStore
+from jobs.store import DOCUMENT_FIELD, FINAL_TOKENS_TTL_S, JobStore
 
 NOT_STARTED = frozenset({JobState.QUEUED, JobState.ADMITTED})
 NOT_STARTED_REASON = "cancelled before it started"
@@ -34,8 +34,8 @@ def _lua_state_table(states: Iterable[JobState], value: str = "true") -> str:
 # KEYS: n job hashes, then their n cancel flags, then the state indexes of the not-started states
 # (_NOT_STARTED_ORDER) and of cancelled jobs. ARGV: now, flag ttl, reason (JSON), the n job ids.
 # What cancel_job does, for many jobs in one round trip: the flag, and a not-started job
-# cancelled (moved between state indexes like a transition, its document dropped as
-# JobStore.transition drops it). The state names come from JobState.
+# cancelled (moved between state indexes like a transition, its document dropped and its tokens
+# left to expire as JobStore.transition does). The state names come from JobState.
 _CANCEL_MANY = Template("""
 local now, ttl, reason = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local final_states, not_started_index = $final_states, $not_started_index
@@ -58,6 +58,7 @@ for i = 1, n do
       if redis.call('HDEL', job, '$document') == 1 then
         redis.call('HSET', job, 'document_dropped', 'true')
       end
+      redis.call('EXPIRE', job .. '$tokens_suffix', $tokens_ttl)
       local id = ARGV[3 + i]
       redis.call('ZREM', KEYS[2 * n + not_started_index[state]], id)
       redis.call('ZADD', cancelled_index, tonumber(redis.call('HGET', job, 'created_at')), id)
@@ -75,6 +76,8 @@ return {cancelled, stopping, final}
     cancelled=JobState.CANCELLED.value,
     cancelled_stored=_lua_state(JobState.CANCELLED),
     document=DOCUMENT_FIELD,
+    tokens_ttl=FINAL_TOKENS_TTL_S,
+    tokens_suffix=keys.job_tokens("").removeprefix(keys.job("")),  # the job key's tokens key
 )
 
 

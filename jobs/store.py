@@ -27,6 +27,9 @@ from jobs.settings import get_settings
 
 SUMMARY_FIELD = "summary"  # small spec fields for listings (summary_fields), not a JobRecord field
 DOCUMENT_FIELD = "document"  # the spec's document (JSON string) until the job is final
+# A final job's prompt tokens live this long (ranks winding down may still read them), unless it
+# kept its KV (`keep_cache`): `cache_from` jobs read the tokens of the prefill they start from.
+FINAL_TOKENS_TTL_S = 60
 # The transaction that last wrote the record (not a JobRecord field). A connection lost during
 # EXEC reaches the caller as a WatchError (redis-py: the watch died with it), though the server
 # may have applied it: the retry finds its own token here and stops, instead of taking its own
@@ -139,6 +142,7 @@ class JobStore:
                         key, ["state", "placement", "created_at", WRITE_FIELD]
                     )
                     holds_document = new.is_final and pipe.hexists(key, DOCUMENT_FIELD)
+                    drops_tokens = new.is_final and not _keeps_cache(pipe.hget(key, "spec"))
                     if raw_state is None:
                         raise JobNotFoundError(f"no job {job_id!r}")
                     if _written_by(raw_write, write):
@@ -156,6 +160,8 @@ class JobStore:
                     if holds_document:
                         pipe.hdel(key, DOCUMENT_FIELD)
                         pipe.hset(key, "document_dropped", json.dumps(True))
+                    if drops_tokens:
+                        pipe.expire(keys.job_tokens(job_id), FINAL_TOKENS_TTL_S)
                     move_in_state_index(pipe, job_id, old, new, json.loads(raw_created or "0"))
                     if also is not None:
                         also(pipe)
@@ -215,6 +221,7 @@ class JobStore:
                     continue
 
     def set_tokens(self, job_id: str, tokens: list[int]) -> None:
+        """The prompt's tokens, kept while the job runs (FINAL_TOKENS_TTL_S after it ends)."""
         self.conn.set(keys.job_tokens(job_id), json.dumps(tokens), ex=self.job_ttl_s)
 
     def get_tokens(self, job_id: str) -> list[int]:
@@ -314,3 +321,7 @@ def _decode(raw: dict[Any, Any]) -> dict[str, Any]:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _keeps_cache(raw_spec: bytes | str | None) -> bool:
+    return bool(raw_spec and json.loads(raw_spec).get("keep_cache"))

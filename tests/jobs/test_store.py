@@ -13,7 +13,7 @@ from jobs.errors import IllegalTransitionError, InvalidJobError, JobNotFoundErro
 from jobs.lifecycle import JobState
 from jobs.redis_server import connect
 from jobs.schemas import DROPPED_DOCUMENT, JobKind, JobResult, JobSpec, Progress
-from jobs.store import JobStore
+from jobs.store import FINAL_TOKENS_TTL_S, JobStore
 
 SPEC = JobSpec(kind=JobKind.PREFILL, document="hello world")
 
@@ -190,3 +190,22 @@ def test_a_final_job_drops_its_document_and_keeps_the_rest(store, redis_conn):
         assert (record.spec.max_tokens, record.document_chars) == (7, len(document))
     assert store.get("done").result == result
     assert store.get("live").spec.document == document and not store.get("live").document_dropped
+
+
+def test_a_final_jobs_tokens_expire_unless_it_kept_its_kv(store, redis_conn):
+    """A final job's prompt tokens are left to expire (FINAL_TOKENS_TTL_S), where they lived
+    the store's whole TTL, except a `keep_cache` prefill's: cache_from jobs read them."""
+    plain = JobSpec(kind=JobKind.PREFILL, document="d")
+    kept = JobSpec(kind=JobKind.PREFILL, document="d", keep_cache=True)
+    for job_id, spec in [("done", plain), ("kept", kept), ("cancelled", plain), ("many", plain)]:
+        store.create(job_id, spec)
+        store.transition(job_id, JobState.ADMITTED)
+        store.set_tokens(job_id, [1, 2, 3])
+    store.fail("done", "a reason")
+    store.fail("kept", "a reason")
+    cancel_job(store, "cancelled")
+    cancel_many(redis_conn, ["many"], ttl_s=60)
+    for job_id in ("done", "cancelled", "many"):
+        assert 0 < redis_conn.ttl(keys.job_tokens(job_id)) <= FINAL_TOKENS_TTL_S, job_id
+    assert redis_conn.ttl(keys.job_tokens("kept")) > FINAL_TOKENS_TTL_S
+    assert store.get_tokens("kept") == [1, 2, 3]
