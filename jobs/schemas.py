@@ -25,7 +25,7 @@ class JobKind(StrEnum):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 class JobSpec(_Message):
