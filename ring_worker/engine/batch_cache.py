@@ -237,13 +237,13 @@ class BatchCache:
     def capacity(self) -> int:
         return self.layers[0].capacity
 
-    def add(self, prompt_cache: list[Any], max_tokens: int) -> int:
+    def add(self, prompt_cache: list[Any], max_tokens: int, move: bool = False) -> int:
         """A prefilled sequence (mlx-lm KVCaches, one per layer) becomes the last row, ending at
         the rows' common column, with room for `max_tokens` more positions: its step t
         (1-based) writes column end + t - 1, and it leaves at step max_tokens at the latest.
-        The KV moves: each layer is copied and evaluated, then its KVCache is emptied, so
-        where nothing else holds the prompt's buffers a join holds its KV once and a layer, not
-        twice (a 524K-token prompt of the Qwen2.5-1M shape holds 30 GB)."""
+        `move`: each layer is copied and evaluated, then its KVCache emptied, so where nothing
+        else holds the prompt's buffers a join holds its KV once and a layer, not twice (a
+        524K-token prompt of the Qwen2.5-1M shape holds 30 GB); else `prompt_cache` stays whole."""
         rows, row = self.rows, len(self.rows)
         self.vacated.clear()
         length = prompt_cache[0].offset
@@ -253,10 +253,11 @@ class BatchCache:
         for layer, cache in zip(self.layers, prompt_cache, strict=True):
             keys, values = cache.keys[..., :length, :], cache.values[..., :length, :]
             layer.put(row, keys, values, rows.end)
-            mx.eval(layer.state)
-            # emptied in place: the prefix a prefill continued shares these KVCache objects
-            cache.keys = cache.values = None
-            cache.offset = 0
+            if move:
+                mx.eval(layer.state)
+                # emptied in place: the prefix a prefill continued shares these KVCache objects
+                cache.keys = cache.values = None
+                cache.offset = 0
             del keys, values
         rows.lengths.append(length)
         rows.limits.append(rows.end + max_tokens)

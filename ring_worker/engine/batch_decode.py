@@ -152,16 +152,16 @@ class BatchDecoder:
         None: one row steps through mlx-lm's own path (its gemv), as one at a time runs it."""
         return self.compiled if rows > 1 else None
 
-    def add(self, request: DecodeRequest, prefill: PrefillResult) -> None:
+    def add(self, request: DecodeRequest, prefill: PrefillResult, move: bool = False) -> None:
         """Join at the next step (call between steps, on every rank in the same order). The
-        prefill's KV moves into the batch now (`prefill.cache` is left empty: BatchCache.add)
-        and its first token is sampled from its logits."""
+        prefill's KV is copied into the batch now, or with `move` moved (`prefill.cache` left
+        empty: BatchCache.add), and its first token is sampled from its logits."""
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
         if request.key in self.members:
             raise ValueError(f"sequence {request.key!r} is already in the batch")
         sequence = _Sequence(request, time.perf_counter(), mx.random.key(request.seed))
-        self.cache.add(prefill.cache, request.max_tokens)
+        self.cache.add(prefill.cache, request.max_tokens, move)
         vote = self._vote_rows([sequence], prefill.logits[None])
         self._rows.append(sequence)
         self._vote = vote if self._vote is None else mx.concatenate([self._vote, vote], axis=1)

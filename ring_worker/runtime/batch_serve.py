@@ -165,7 +165,7 @@ class BatchServer:
         if not self.decoder.busy:
             self.first_row = batch_buffer_tokens(len(job.tokens) + job.spec.max_tokens, 0)
         keep_beside_batch(self.engine, self.prefix, io, job)
-        self.decoder.add(self.request(io, job, text, report), job.prefill)
+        self.decoder.add(self.request(io, job, text, report), job.prefill, move=True)
         self.members[io.job_id] = _Member(io, without_kv(job), load_s, text, clock, began)
         self.pace_members()
 

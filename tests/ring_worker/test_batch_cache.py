@@ -153,7 +153,7 @@ def test_a_join_moves_the_prompts_kv_holding_it_once_and_one_layer():
     mx.clear_cache()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
-    BatchCache(layers).add(caches, max_tokens=1)
+    BatchCache(layers).add(caches, max_tokens=1, move=True)
     assert all(c.keys is None for c in caches)  # the prompt's entries are emptied
     # a layer at a time: its new buffer (4352 columns, room for the answer), the update's copy
     # of it, and the prompt's layer until it is dropped; not the other layers' prompt KV

@@ -55,7 +55,7 @@ def test_the_memory_copy_beside_a_batch_row_stays_only_within_the_room(
     decoder = BatchDecoder(engine)
     try:
         keep_beside_batch(engine, prefix, io, job)
-        decoder.add(DecodeRequest("bm", MAX_TOKENS), prefill)  # the KV moves into the row
+        decoder.add(DecodeRequest("bm", MAX_TOKENS), prefill, move=True)  # the KV moves
         if room == "none":  # a fresh group, or a job that joined a busy batch
             assert prefix.memory is None
         else:  # a warm group that held more for an earlier, larger job
