@@ -4,11 +4,10 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import platformdirs
-from pydantic import AliasChoices, Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from admission.vocabulary import Device, Exchange, KVLayout
 
@@ -16,8 +15,17 @@ if TYPE_CHECKING:
     from jobs.schemas import GroupSpec
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RINGQ_", frozen=True, populate_by_name=True)
+class Settings(BaseModel):
+    """Each field is read from the environment variable of its name in capitals after
+    `RINGQ_` (`max_batch`: `RINGQ_MAX_BATCH`); keyword arguments win over the environment.
+    Values arrive as strings and pydantic converts them as it converts any input (lists and
+    mappings have their own text forms, below). A plain model, not pydantic-settings: that
+    package's import alone costs every CLI command ~50 ms."""
+
+    model_config = ConfigDict(frozen=True)
+
+    def __init__(self, **values: Any) -> None:
+        super().__init__(**{**_environment(), **values})
 
     redis_url: str | None = Field(
         default=None, description="Use this Redis instead of starting the embedded one."
@@ -41,7 +49,6 @@ class Settings(BaseSettings):
     )
     kv_layout: Literal["auto", KVLayout] = Field(
         default="auto",
-        validation_alias=AliasChoices("RINGQ_KV_LAYOUT", "RINGQ_DECODE_KV"),  # the old name
         description="KV layout of ring groups: sharded keeps 1/N of the KV per rank (decode "
         "merges per-rank partial attention); replicated keeps all of it on every rank; auto: "
         "replicated where it fits, sharded where only that fits.",
@@ -196,13 +203,13 @@ class Settings(BaseSettings):
         description="Bearer keys of `ringq serve` that see every tenant's files, batches and "
         "jobs (comma-separated); each RINGQ_API_KEYS key sees only what it created.",
     )
-    allowed_dirs: Annotated[list[Path] | None, NoDecode] = Field(
+    allowed_dirs: list[Path] | None = Field(
         default=None,
         description="Directories services may read models and batch documents from: a path "
         "list ('/models:/data', ':' or the platform's separator) or a JSON list; unset: any "
         "path the service user can read, and none for callers of `ringq serve`.",
     )
-    model_aliases: Annotated[dict[str, str], NoDecode] = Field(
+    model_aliases: dict[str, str] = Field(
         default_factory=dict,
         description="Model names mapped to served models ('gpt-4o-mini=smollm2,gpt-4o=...' "
         "or a JSON object), so OpenAI batch files run unchanged.",
@@ -248,6 +255,20 @@ class Settings(BaseSettings):
         if any(len(pair) != 2 for pair in pairs):
             raise ValueError("expected 'name=model' pairs joined by commas, or a JSON object")
         return {name.strip(): model.strip() for name, model in pairs}
+
+
+# Variables still read under an earlier name, and the field each sets.
+_OLD_NAMES = {"RINGQ_DECODE_KV": "kv_layout"}
+
+
+def _environment() -> dict[str, str]:
+    """The RINGQ_* variables that name a setting, keyed by the setting."""
+    found = {field: os.environ[old] for old, field in _OLD_NAMES.items() if old in os.environ}
+    for name in Settings.model_fields:
+        value = os.environ.get(f"RINGQ_{name.upper()}")
+        if value is not None:
+            found[name] = value
+    return found
 
 
 # CPU: 8 rows decode 2.4x one at a time on a 2-core CPU (docs/batching.md); CUDA: 32 rows
