@@ -4,13 +4,15 @@ ring groups. JSON only: nothing in Redis is ever unpickled."""
 import re
 import time
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from admission.group_plan import GroupPlan
 from admission.vocabulary import Device, Exchange, KVLayout, Strategy, StrategyChoice, Transport
 from jobs.lifecycle import JobState
+
+if TYPE_CHECKING:
+    from admission.group_plan import GroupPlan
 
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "$" would allow a "\n"
 DEFAULT_GENERATE_PROMPT = "Summarise the document above in a few sentences."
@@ -243,7 +245,7 @@ class GroupSpec(_Message):
     @classmethod
     def from_plan(
         cls,
-        plan: GroupPlan,
+        plan: "GroupPlan",
         *,
         group_id: str,
         job_id: str,

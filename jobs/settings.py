@@ -6,10 +6,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from admission.vocabulary import Device, Exchange, KVLayout
+from jobs.home import default_home
 
 if TYPE_CHECKING:
     from jobs.schemas import GroupSpec
@@ -31,7 +31,7 @@ class Settings(BaseModel):
         default=None, description="Use this Redis instead of starting the embedded one."
     )
     home: Path = Field(
-        default_factory=lambda: Path(platformdirs.user_data_dir("ringq")),
+        default_factory=default_home,
         description="Data dir for the embedded Redis, logs and rank scratch files.",
     )
     blas: str = Field(default="auto", description="'auto' preloads OpenBLAS on CPU nodes; 'off'.")
