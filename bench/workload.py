@@ -14,18 +14,19 @@ request of the same text); every other gets 1-4 questions, each a chat completio
 message, the document then the question, so the questions on one document share its prefix.
 Greedy; max_tokens per question drawn from the scale's range.
 
-The sides, one after another (bench/workload_sides.py):
+The sides, one after another (bench/workload_sides.py); the JSON is written after each, so a run
+cut short keeps what it measured:
 1. ringq: `ringq up` and `ringq serve` (an API key) in a temporary RINGQ_HOME, default settings;
    one warm-up chat completion, then the file uploaded and one batch created with the official
    `openai` client, polled until it ends. Makespan: batch created -> its last job finished (the
    job records); per request its latency from the batch's creation, wait, prefill, decode,
    cached tokens and batch size.
-2. mlx_lm.server on the same weights (what a rank computes with, written as an mlx-lm model
+2. The floor, in this process: ringq's Engine prefills each document's shared prefix once and
+   each request's rest, one BatchDecoder (ringq's default batch limit) decodes the questions.
+3. mlx_lm.server on the same weights (what a rank computes with, written as an mlx-lm model
    dir), once per setting of the grid: one warm-up request, then every request in file order
    from a thread pool as large as its decode concurrency (the `openai` client, which retries
    connection errors); makespan: first request sent -> last answer. The best try is the peer.
-3. The floor, in this process: ringq's Engine prefills each document's shared prefix once and
-   each request's rest, one BatchDecoder (ringq's default batch limit) decodes the questions.
 
 MFU: the prompt FLOPs of the distinct work (each shared prefix once) by ModelShape's formula,
 over the makespan and the card's dense peak (--peak-tflops; else the matmul probe's measure).
@@ -64,6 +65,9 @@ def default_machine() -> str:
 def load_average() -> dict[str, Any]:
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     return {"loadavg": os.getloadavg(), "uptime": uptime}
+
+
+SIDES = ("ringq", "engine_floor", "mlx_lm_server")  # in the order they run
 
 
 @click.command()
@@ -128,18 +132,26 @@ def main(
         f"workload: {len(requests)} requests, {sum(map(len, tokens.values()))} prompt tokens",
         err=True,
     )
-    ringq = workload_sides.run_ringq(requests, chosen.model, port_base, logs)
-    click.echo(f"ringq: makespan {ringq.get('makespan_s')}", err=True)
-    peer = workload_sides.run_peer(requests, chosen.model, grid, logs)
-    click.echo(f"mlx_lm.server: best {(peer.get('best') or {}).get('makespan_s')}", err=True)
-    floor = workload_sides.engine_floor(requests, tokens, chosen.model)
-    click.echo(f"engine floor: {floor.get('seconds')}", err=True)
-    context["load_after"] = load_average()
-    context["peak"] = peak(peak_tflops)
-    sides = {"ringq": ringq, "mlx_lm_server": peer, "engine_floor": floor}
-    report = build_report(context, requests, tokens, sides)
-    path = out or RESULTS / f"workload-{report['machine']}.json"
-    path.write_text(json.dumps(report, indent=1))
+    sides: dict[str, dict[str, Any]] = {k: {"error": "not run"} for k in SIDES}
+    path = out or RESULTS / f"workload-{context['machine']}.json"
+
+    def write() -> dict[str, Any]:  # after each side, so a run cut short keeps what it measured
+        context["load_after"] = load_average()
+        context["peak"] = context.get("peak") or peak(peak_tflops)
+        report = build_report(context, requests, tokens, sides)
+        path.write_text(json.dumps(report, indent=1))
+        return report
+
+    sides["ringq"] = workload_sides.run_ringq(requests, chosen.model, port_base, logs)
+    click.echo(f"ringq: makespan {sides['ringq'].get('makespan_s')}", err=True)
+    write()
+    sides["engine_floor"] = workload_sides.engine_floor(requests, tokens, chosen.model)
+    click.echo(f"engine floor: {sides['engine_floor'].get('seconds')}", err=True)
+    write()
+    sides["mlx_lm_server"] = workload_sides.run_peer(requests, chosen.model, grid, logs)
+    best = sides["mlx_lm_server"].get("best") or {}
+    click.echo(f"mlx_lm.server: best {best.get('makespan_s')}", err=True)
+    report = write()
     shown = ("prompt_tokens", "distinct_prompt_tokens", "engine_floor_s", "ratio", "mfu")
     click.echo(json.dumps({k: report[k] for k in shown}, indent=1))
     click.echo(f"wrote {path}", err=True)

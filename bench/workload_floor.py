@@ -11,7 +11,7 @@ from typing import Any
 from admission.vocabulary import Device
 from bench.workload_plan import Request, shared_prefix
 
-KV_SHARE = 0.5  # of the memory beside the weights, what the decoder's rows may hold
+HEADROOM_BYTES = 4 * 1024**3  # beside the weights and KV: a prefill chunk's activations
 
 
 def floor(requests: list[Request], tokens: dict[str, list[int]], model: str) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def floor(requests: list[Request], tokens: dict[str, list[int]], model: str) -> 
         engine.prefill([1] * 1024, 512)
         warm_up(engine, max_batch)
     run = _Run(engine, BatchDecoder(engine, max_batch=max_batch), max_batch, load_tokenizer(source))
-    run.kv_budget_bytes = KV_SHARE * (limit - sum(w.nbytes for w in weights.values()))
+    run.kv_budget_bytes = limit - sum(w.nbytes for w in weights.values()) - HEADROOM_BYTES
     for document in sorted({r.document for r in requests}):
         run.document([r for r in requests if r.document == document], tokens, chunk)
     run.drain()
@@ -82,7 +82,7 @@ class _Run:
             if request.kind == "generate":
                 began = time.perf_counter()
                 positions = len(prompt) + request.max_tokens
-                while self.decoder.busy and not self._fits(positions):
+                while self.decoder.busy and not self._fits(positions, len(prompt)):
                     self._step()
                 asked = DecodeRequest(request.custom_id, request.max_tokens, stop_ids=self.eos)
                 self.decoder.add(asked, result)
@@ -110,12 +110,20 @@ class _Run:
         )
         return result
 
-    def _fits(self, positions: int) -> bool:
-        """Rows are aligned at their ends, so each holds as many positions as the longest."""
+    def _fits(self, positions: int, prompt_tokens: int) -> bool:
+        """Whether a row of `positions` joins without running out of memory. Rows are aligned
+        at their ends, so each holds as many positions as the longest; a join builds the
+        batch's new buffers (slots doubled as needed) while the old ones and the document's
+        prefill cache (`prompt_tokens`, kept for its next question) still live."""
+        from ring_worker.engine.batch_cache import grown_slots
+
         rows = len(self.held) + 1
         longest = max([positions, *self.held.values()])
-        fits_memory = rows * longest * self.kv_bytes_per_token <= self.kv_budget_bytes
-        return rows <= self.max_batch and fits_memory
+        cache = self.decoder.cache
+        before = cache.slots * cache.capacity if cache.slots else 0
+        after = grown_slots(cache.slots, rows) * longest
+        needed = (before + after + prompt_tokens) * self.kv_bytes_per_token
+        return rows <= self.max_batch and needed <= self.kv_budget_bytes
 
     def _step(self) -> None:
         for result in self.decoder.step():

@@ -76,9 +76,10 @@ SCALES = {
         None,
         (4096, 130_000),  # 128K context less the template, a question and 256 answer tokens
         (32, 256),
-        # not its defaults: 32 rows, 8 prompts prefilled together and 10 kept prompts, at up to
-        # 17 GB of KV a 128K-token prompt, do not fit beside 16 GB of weights on an 80 GB card
-        "8,1,10,8GB;4,1,10,8GB",
+        # not its defaults: 32 rows and 8 prompts prefilled together, at up to 17 GB of KV a
+        # 128K-token prompt, do not fit beside 16 GB of weights on an 80 GB card (8 and 4
+        # rows ran out of memory there); a cache of 20 GB holds one such document's KV
+        "2,1,4,20GB;1,1,4,20GB",
         min_prompt_tokens=1_000_000,
     ),
 }
