@@ -92,6 +92,13 @@ SIDES = ("ringq", "engine_floor", "mlx_lm_server")  # in the order they run
     show_default=True,
     help="RINGQ_RANK_PORT_BASE of the ringq cluster (apart from other clusters here).",
 )
+@click.option(
+    "--sides",
+    default=",".join(SIDES),
+    show_default=True,
+    help="Which sides run (a subset when a lent machine's time is short; the ratios then "
+    "need the others from the same run).",
+)
 @click.option("--logs", type=click.Path(path_type=Path), default=None)
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(
@@ -101,6 +108,7 @@ def main(
     peak_tflops: float | None,
     peer_grid: str | None,
     port_base: int,
+    sides: str,
     logs: Path | None,
     out: Path | None,
 ) -> None:
@@ -132,25 +140,31 @@ def main(
         f"workload: {len(requests)} requests, {sum(map(len, tokens.values()))} prompt tokens",
         err=True,
     )
-    sides: dict[str, dict[str, Any]] = {k: {"error": "not run"} for k in SIDES}
+    chosen_sides = set(sides.split(","))
+    if unknown := chosen_sides - set(SIDES):
+        raise click.BadParameter(f"unknown sides {sorted(unknown)}", param_hint="--sides")
+    ran: dict[str, dict[str, Any]] = {k: {"error": "not run"} for k in SIDES}
     path = out or RESULTS / f"workload-{context['machine']}.json"
 
     def write() -> dict[str, Any]:  # after each side, so a run cut short keeps what it measured
         context["load_after"] = load_average()
         context["peak"] = context.get("peak") or peak(peak_tflops)
-        report = build_report(context, requests, tokens, sides)
+        report = build_report(context, requests, tokens, ran)
         path.write_text(json.dumps(report, indent=1))
         return report
 
-    sides["ringq"] = workload_sides.run_ringq(requests, chosen.model, port_base, logs)
-    click.echo(f"ringq: makespan {sides['ringq'].get('makespan_s')}", err=True)
-    write()
-    sides["engine_floor"] = workload_sides.engine_floor(requests, tokens, chosen.model)
-    click.echo(f"engine floor: {sides['engine_floor'].get('seconds')}", err=True)
-    write()
-    sides["mlx_lm_server"] = workload_sides.run_peer(requests, chosen.model, grid, logs)
-    best = sides["mlx_lm_server"].get("best") or {}
-    click.echo(f"mlx_lm.server: best {best.get('makespan_s')}", err=True)
+    if "ringq" in chosen_sides:
+        ran["ringq"] = workload_sides.run_ringq(requests, chosen.model, port_base, logs)
+        click.echo(f"ringq: makespan {ran['ringq'].get('makespan_s')}", err=True)
+        write()
+    if "engine_floor" in chosen_sides:
+        ran["engine_floor"] = workload_sides.engine_floor(requests, tokens, chosen.model)
+        click.echo(f"engine floor: {ran['engine_floor'].get('seconds')}", err=True)
+        write()
+    if "mlx_lm_server" in chosen_sides:
+        ran["mlx_lm_server"] = workload_sides.run_peer(requests, chosen.model, grid, logs)
+        best = ran["mlx_lm_server"].get("best") or {}
+        click.echo(f"mlx_lm.server: best {best.get('makespan_s')}", err=True)
     report = write()
     shown = ("prompt_tokens", "distinct_prompt_tokens", "engine_floor_s", "ratio", "mfu")
     click.echo(json.dumps({k: report[k] for k in shown}, indent=1))
