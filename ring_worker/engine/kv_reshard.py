@@ -4,6 +4,7 @@ cut-and-concatenate of every other (jobs/prefix_cache.py). No I/O here."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -24,6 +25,23 @@ class ShardKV:
 def clip_ranges(ranges: Ranges, end: int) -> list[tuple[int, int]]:
     """The positions below `end`, in the same order."""
     return [(start, min(stop, end)) for start, stop in ranges if start < end]
+
+
+def trim_to_prefix(cache: Sequence[Any], tokens: int) -> bool:
+    """Cut each plain KVCache to its first `tokens` entries, in buffers of exactly that size, a
+    layer at a time (each old buffer goes before the next layer's copy is made). The kept
+    prompt is then whole arrays, which MLX writes to a file as they are: a view of a larger
+    buffer is copied first, every layer at once (30 GB more at 524K tokens of the Qwen2.5-1M
+    shape). False, untouched: not plain KVCaches, or one holds fewer entries."""
+    if not cache or any(type(c) is not KVCache or c.offset < tokens for c in cache):
+        return False
+    for layer in cache:
+        if layer.keys.shape[2] != tokens:
+            layer.keys = mx.contiguous(layer.keys[..., :tokens, :])
+            layer.values = mx.contiguous(layer.values[..., :tokens, :])
+            mx.eval(layer.keys, layer.values)
+        layer.offset = tokens
+    return True
 
 
 def even_split(tokens: int, rank: int, size: int) -> list[tuple[int, int]]:

@@ -34,6 +34,7 @@ from ring_worker.engine.kv_reshard import (
     cache_arrays,
     clip_ranges,
     even_split,
+    trim_to_prefix,
 )
 from ring_worker.engine.memory_tier import merge_adjacent, pinned_bytes, room_text
 from ring_worker.runtime.cache_store import CacheStore, node_store, read_cache_file
@@ -179,6 +180,18 @@ def agree_on_reuse(engine: Engine, found: Reuse | None) -> Reuse | None:
 def cache_positions(reused: Reuse | None, prefill: PrefillResult) -> Ranges:
     """The positions this rank's cache holds after prefill, in cache order."""
     return (list(reused.ranges) if reused is not None else []) + list(prefill.ranges)
+
+
+def prompt_only(cache: Sequence[Any], positions: Ranges, prompt_tokens: int) -> Ranges:
+    """The cache's positions cut to the prompt's, where they are one run from the cache's first
+    entry: the live cache is trimmed to them (the answer's KV, and its buffers' spare room, go;
+    the job is done with them), so what is remembered and written is whole buffers, never views
+    that the file write would copy (kv_reshard.trim_to_prefix). Else `positions` unchanged."""
+    merged = merge_adjacent(positions)
+    keep = clip_ranges(merged, prompt_tokens)
+    if len(merged) == 1 and keep and trim_to_prefix(cache, keep[0][1] - keep[0][0]):
+        return keep
+    return positions
 
 
 def keep_shard(
@@ -362,7 +375,7 @@ class RankPrefixCache:
         """After the job, on every rank: remember the prompt's KV in memory, and keep it on disk
         if it is worth it (see jobs/prefix_cache.py); rank 0 returns the indexed entry."""
         view = self.view
-        positions = cache_positions(reused, prefill)
+        positions = prompt_only(prefill.cache, cache_positions(reused, prefill), len(tokens))
         self.remember(entry_id, tokens, prefill.cache, positions)
         if not should_keep(len(tokens), reused, pinned):
             return None

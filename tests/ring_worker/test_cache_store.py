@@ -209,3 +209,62 @@ def test_cache_arrays_keep_the_prompt_of_a_live_cache():
 )
 def test_clip_ranges(ranges, end, expected):
     assert clip_ranges(ranges, end) == expected
+
+
+def live_cache(prompt: int, answer: int, count: int = 8) -> list:
+    """mlx-lm KVCaches as a prefill and decode leave them: the prompt, then `answer` more
+    entries one at a time, in buffers with spare room (they grow in steps of 256)."""
+    from mlx_lm.models.cache import KVCache
+
+    caches = []
+    for layer in range(count):
+        cache = KVCache()
+        keys = mx.random.normal((1, 4, prompt, 64), key=mx.random.key(layer))
+        cache.update_and_fetch(keys, keys + 1)
+        for step in range(answer):
+            one = mx.full((1, 4, 1, 64), float(step))
+            cache.update_and_fetch(one, one)
+        caches.append(cache)
+    mx.eval([(c.keys, c.values) for c in caches])
+    return caches
+
+
+def test_a_kept_prompt_is_written_from_whole_buffers_not_a_copy_of_them(tmp_path):
+    """What a job keeps (prefix_reuse.prompt_only, then keep_shard) is the prompt's KV of a
+    cache that also holds the answer: trimmed a layer at a time, it is written as it is. Views
+    of the larger buffers made MLX copy every layer before writing (a second KV at the peak)."""
+    from ring_worker.runtime.prefix_reuse import prompt_only
+
+    prompt, answer = 1000, 5
+    caches = live_cache(prompt, answer)
+    expected = [(c.keys[..., :prompt, :], c.values[..., :prompt, :]) for c in caches]
+    mx.eval(expected)
+    expected = [(mx.array(k), mx.array(v)) for k, v in expected]
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in expected)
+
+    positions = prompt_only(caches, [(0, prompt + answer)], prompt)
+
+    assert positions == [(0, prompt)]
+    assert all(c.offset == prompt and c.keys.shape[2] == prompt for c in caches)
+    store = CacheStore(tmp_path, 10**9)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    saved = store.save("job.r0", cache_arrays(caches, positions, positions), METADATA)
+    assert mx.get_peak_memory() - before < kv_bytes / 4  # a copy would be the whole kv_bytes
+    loaded, _ = store.load(saved.path)
+    for (k, v), layer in zip(expected, loaded, strict=True):
+        assert mx.array_equal(layer.keys[..., :prompt, :], k)
+        assert mx.array_equal(layer.values[..., :prompt, :], v)
+
+
+def test_views_of_larger_buffers_are_copied_by_the_write(tmp_path):
+    """The reason for the trim, checked on this MLX: a write of views costs a copy of them."""
+    caches = live_cache(1000, 5)
+    views = [(c.keys[..., :1000, :], c.values[..., :1000, :]) for c in caches]
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in views)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    CacheStore(tmp_path, 10**9).save("job.r0", views, METADATA)
+    assert mx.get_peak_memory() - before >= kv_bytes * 0.9

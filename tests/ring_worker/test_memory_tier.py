@@ -104,8 +104,8 @@ def test_a_memory_copy_is_held_beside_the_next_job_only_within_the_room(
         ask(cache, engine, first, room_bytes=0)
         held = cache.memory
         assert held is not None and held.tokens == first
-        # a view of the job's cache keeps its whole buffer: prompt, answer and padding
-        assert held.bytes >= kv_bytes_of_prompt(engine, len(first) + MAX_TOKENS)
+        # the job's cache is trimmed to its prompt (the answer's KV and spare room go)
+        assert held.bytes == kv_bytes_of_prompt(engine, len(first))
         [entry] = [e for e in cache.index.listing() if e.model_key == cache.model_key]
         other = OTHER_DOC + question(2)  # another document: the copy is of no use to it
         room = held.bytes if fits else held.bytes - 1
