@@ -4,6 +4,7 @@ start a new one.
 
 `admit_job` runs inside the dispatcher's RQ worker (no fork) for every submitted job."""
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -226,7 +227,15 @@ class Dispatcher:
         if isinstance(cluster, Wait) or not cluster.busy:
             return None
         if wait_for_pending(job.prefix, len(job.tokens)) is not None:
-            return None  # it waits for the prefill of its prefix (plan_admission says so)
+            # Its prefix is being prefilled. In a batch group it joins that group, which
+            # prefills its joiners in turn: it starts from the first one's row. Waiting
+            # instead let later jobs take the batch's rows, and by its turn the prefix had
+            # left with its row. Elsewhere it waits (plan_admission says so).
+            pending = job.prefix.pending_job
+            busy = [w for w in cluster.busy if pending in self.warm.batch(w.group.group_id)]
+            if not busy:
+                return None
+            cluster = dataclasses.replace(cluster, busy=busy)
         budget = join_budgets(job, cluster)  # less what is held for an older waiting job
         for join in plan_joins(job, cluster, self.settings):
             group = join.group.model_copy(update={"job_id": job.record.id})
