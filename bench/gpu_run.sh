@@ -56,8 +56,9 @@ for part in "$@"; do
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
       case "$gpu" in *H200*) tokens=1000000; machine=h200 ;; *) tokens=524288; machine=h100 ;; esac
       timeout 1500 python3 -m bench.long_document --model random:qwen2.5-7b-1m \
-        --tokens ${LONG_TOKENS:-$tokens} --machine $machine \
+        --tokens ${LONG_TOKENS:-$tokens} --machine $machine --logs /tmp/logs/long-document \
         --out "$out/long-document-$machine.json"
+      tar czf "$out/logs-long-document.tgz" -C /tmp/logs long-document
       ;;
     long-peak)
       python3 -m bench.probes.long_peak --model random:qwen2.5-7b-1m --tokens 131072,262144 \

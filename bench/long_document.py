@@ -144,6 +144,8 @@ def measure(args: dict[str, Any]) -> dict[str, Any]:
     try:
         return run_jobs(args, question, home)
     finally:
+        if args.get("logs") and (home / "logs").is_dir():  # the ranks' own account of each phase
+            shutil.copytree(home / "logs", args["logs"], dirs_exist_ok=True)
         shutil.rmtree(home, ignore_errors=True)
 
 
@@ -199,6 +201,7 @@ def run_jobs(args: dict[str, Any], question: JobSpec, home: Path) -> dict[str, A
 @click.option("--peak-tflops", default=989.0, show_default=True, help="0: no FLOPs line (CPU).")
 @click.option("--machine", default=None, help="Names the result file (default: this machine).")
 @click.option("--out", type=click.Path(path_type=Path), help="Default: bench/results/.")
+@click.option("--logs", type=click.Path(path_type=Path), default=None, help="Keep the logs here.")
 def main(**args: Any) -> None:
     info = machine_info(Settings())
     machine = args["machine"] or ("gpu" if args["peak_tflops"] else "cpu")
