@@ -113,7 +113,7 @@ def busy_single(dispatcher: Dispatcher, node: str, running: str) -> GroupSpec:
         addresses=["127.0.0.1:1"], idle_s=60,
     )  # fmt: skip
     held, budget = 20 * 1024**3, info.memory_bytes
-    dispatcher.store.put_node(info, ttl_s=60)
+    dispatcher.store.put_node(info.model_copy(update={"heartbeat_at": time.time()}), ttl_s=60)
     assert dispatcher.reservations.reserve(group.group_id, {node: (held, budget)}) is None
     dispatcher.warm.offer(group, held, fresh.plan.chunk_tokens)
     dispatcher.warm.started(group, running, BatchRow(len(DOCUMENT), 16))
