@@ -5,6 +5,7 @@
 #                                     # then checkpoints off: 32K and 128K, cold and warm
 #   bash bench/gpu_run.sh long-document  # Qwen2.5-1M shape: LONG_TOKENS (1M on an H200,
 #                                     # 524288 on an H100), progress, resume, a second question
+#   bash bench/gpu_run.sh checkpoint-write  # one checkpoint segment's write: GPU->host, disk, /dev/shm
 #   bash bench/gpu_run.sh long-peak   # the Qwen2.5-1M shape's MLX peak, prefill and decode apart
 #   bash bench/gpu_run.sh workload    # the whole batch: ringq against mlx_lm.server, the floor
 #   bash bench/gpu_run.sh demo        # ringq demo on one GPU; rank start profile
@@ -59,6 +60,10 @@ for part in "$@"; do
         --tokens ${LONG_TOKENS:-$tokens} --machine $machine --logs /tmp/logs/long-document \
         --out "$out/long-document-$machine.json"
       tar czf "$out/logs-long-document.tgz" -C /tmp/logs long-document
+      ;;
+    checkpoint-write)
+      timeout 240 python3 -m bench.probes.checkpoint_write --model random:qwen2.5-7b-1m \
+        --tokens 16384 --home /tmp --out "$out/checkpoint-write-probe.json"
       ;;
     long-peak)
       python3 -m bench.probes.long_peak --model random:qwen2.5-7b-1m --tokens 131072,262144 \
