@@ -4,7 +4,7 @@ Every `every_tokens` prompt tokens, at a chunk boundary, each rank saves the par
 added since its previous checkpoint (with the few numbers its strategy needs to continue) as one
 segment, `RINGQ_HOME/checkpoints/<job>/<node>/<layout>-rank<r>-<start>-<end>.safetensors` (mlx-lm's
 prompt-cache format); a checkpoint is the chain of segments from token 0. Writing only the new
-part keeps the cost per token constant. The compute thread copies the new slices to host memory; a
+part keeps the cost per token constant. The compute thread only materialises the new slices; a
 writer thread writes them to a temporary file and renames it, so a crash mid-write leaves the
 chain before it whole. A node's segments count against RINGQ_CHECKPOINT_BUDGET_BYTES, by default
 the disk down to a tenth of its size free (past it the rank's chain stops growing: a 1M-token
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from admission.estimate import HELD_SEGMENTS, max_segment_tokens
@@ -157,55 +156,26 @@ def checkpoint_bytes(home: Path, node: str | None = None) -> int:
     return sum(file_bytes(p) for p in root.glob(pattern))
 
 
-@dataclass(frozen=True)
-class HostKV:
-    """One layer's part of a cache, copied into host memory: keys and values as raw bits."""
-
-    keys: np.ndarray
-    values: np.ndarray
-    dtype: mx.Dtype
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-    def cache(self) -> KVCache:
-        """As an mlx-lm cache whose arrays live on the host (made on the CPU stream)."""
-        with mx.stream(mx.cpu):
-            keys, values = (mx.array(a).view(self.dtype) for a in (self.keys, self.values))
-        cache = KVCache()
-        cache.state = (keys, values, self.offset)
-        return cache
-
-
-_BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
-
-
-def _host(array: mx.array) -> np.ndarray:
-    return np.array(array.view(_BITS[array.dtype.size]))
-
-
-def snapshot(cache: list[Any], from_offset: int = 0) -> list[HostKV]:
-    """Host copies of the caches' part from `from_offset` to their end, taken on the compute
-    thread at a chunk boundary. The writer thread then reads host memory only: reading a GPU
-    array there would wait on the stream the prefill keeps busy. Copies, never views: a held
-    slice keeps each layer's whole buffer alive (a 128K-token prefill on one H200 peaked 14 GiB
-    higher with views)."""
-    parts = []
+def snapshot(cache: list[Any], from_offset: int = 0) -> list[KVCache]:
+    """Evaluated copies of the caches' part from `from_offset` to their end, safe to write while
+    prefill goes on: new arrays, never views, since a held slice keeps each layer's whole buffer
+    alive (a 128K-token prefill on one H200 peaked 14 GiB higher with views)."""
+    copies = []
     for layer in cache:
         if type(layer) is not KVCache:
             raise ValueError(f"checkpoints keep plain KV caches, not {type(layer).__name__}")
         keys = mx.contiguous(layer.keys[..., from_offset : layer.offset, :])
         values = mx.contiguous(layer.values[..., from_offset : layer.offset, :])
-        parts.append((keys, values, layer.offset - from_offset))
-    mx.eval([kv for keys, values, _ in parts for kv in (keys, values)])
-    return [HostKV(_host(k), _host(v), k.dtype, n) for k, v, n in parts]
+        mx.eval(keys, values)
+        copy = KVCache()
+        copy.state = (keys, values, layer.offset - from_offset)
+        copies.append(copy)
+    return copies
 
 
 @dataclass(frozen=True)
 class _Segment:
-    parts: list[HostKV]  # the part of each layer's cache since the previous segment
+    caches: list[KVCache]  # the part of each layer's cache since the previous segment
     start_tokens: int
     end_tokens: int
     state: dict[str, str]
@@ -285,8 +255,8 @@ class Checkpointer:
         """Hand the caches' part since the last save to the writer (waits while two segments'
         copies are held)."""
         self._held.acquire()
-        parts = snapshot(cache, self.saved_offset)
-        segment = _Segment(parts, self.saved_tokens, done_tokens, state)
+        copies = snapshot(cache, self.saved_offset)
+        segment = _Segment(copies, self.saved_tokens, done_tokens, state)
         self.saved_tokens = done_tokens
         self.saved_offset = cache[0].offset if cache else 0
         self._queue.put(segment)
@@ -343,7 +313,7 @@ class Checkpointer:
                 self._held.release()
 
     def _write(self, segment: _Segment) -> None:
-        size = sum(part.nbytes for part in segment.parts)
+        size = sum(c.keys.nbytes + c.values.nbytes for c in segment.caches)
         # a segment missing breaks the chain: later ones could not be continued from
         if self.skipped or not self._room_for(size):
             self.skipped += 1
@@ -360,7 +330,7 @@ class Checkpointer:
         partial = path.with_name(path.name + ".partial" + SUFFIX)
         metadata = {**segment.state, "job": self.job_id, "tokens": str(segment.end_tokens)}
         began = time.perf_counter()
-        save_prompt_cache(str(partial), [p.cache() for p in segment.parts], metadata=metadata)
+        save_prompt_cache(str(partial), segment.caches, metadata=metadata)
         os.replace(partial, path)
         took = time.perf_counter() - began
         log.info("job %s rank %d: checkpoint at %d tokens (%.2f GB in %.2fs, %.2f GB/s)",
