@@ -8,6 +8,7 @@
 #   bash bench/gpu_run.sh checkpoint-write  # one checkpoint segment's write: GPU->host, disk, /dev/shm
 #   bash bench/gpu_run.sh long-peak   # the Qwen2.5-1M shape's MLX peak, prefill and decode apart
 #   bash bench/gpu_run.sh workload    # the whole batch: ringq against mlx_lm.server, the floor
+#                                     # (WORKLOAD_ARGS="--sides engine_floor,mlx_lm_server": a subset)
 #   bash bench/gpu_run.sh demo        # ringq demo on one GPU; rank start profile
 #   bash bench/gpu_run.sh calibrate   # GPU peak probe, admission calibration
 #   bash bench/gpu_run.sh pacing      # peak and speed, prefill paced or not
@@ -73,7 +74,8 @@ for part in "$@"; do
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
       case "$gpu" in *H200*) machine=h200 ;; *) machine=h100 ;; esac
       python3 -m bench.workload --scale gpu --peak-tflops 989 --machine $machine \
-        --logs /tmp/logs/workload --out "$out/workload-$machine.json"
+        --logs /tmp/logs/workload ${WORKLOAD_ARGS:-} --out "$out/workload-$machine.json"
+      tar czf "$out/logs-workload.tgz" -C /tmp/logs workload
       ;;
     demo)
       python3 - > "$out/rank-start.txt" 2>&1 <<'PY'

@@ -3,9 +3,12 @@ one device. Each document's shared prefix is prefilled once and each request's r
 (the prefix's KV trimmed back between them, so nothing is copied); every question joins one
 BatchDecoder at ringq's default batch limit (DEFAULT_MAX_BATCH), stepping only when a row must
 leave to make room. Seconds = prefill seconds + decode seconds (joins and steps), run one after
-the other as one group does; loading and warm-up are not counted."""
+the other as one group does; loading and warm-up are not counted. Run by
+bench.workload_sides.engine_floor in a process of its own (`main`)."""
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 from admission.vocabulary import Device
@@ -14,10 +17,16 @@ from bench.workload_plan import Request, shared_prefix
 HEADROOM_BYTES = 4 * 1024**3  # beside the weights and KV: a prefill chunk's activations
 
 
+def main(work: str, out: str) -> None:
+    """The floor of `work` (JSON: requests, tokens, model) written to `out` as JSON."""
+    given = json.loads(Path(work).read_text())
+    requests = [Request(**row) for row in given["requests"]]
+    Path(out).write_text(json.dumps(floor(requests, given["tokens"], given["model"])))
+
+
 def floor(requests: list[Request], tokens: dict[str, list[int]], model: str) -> dict[str, Any]:
     import mlx.core as mx
     import psutil
-    from mlx.utils import tree_flatten
 
     from admission.group_plan import default_chunk_tokens
     from jobs.model_catalog import resolve_model
@@ -37,12 +46,11 @@ def floor(requests: list[Request], tokens: dict[str, list[int]], model: str) -> 
     limit = cap_device_memory() or psutil.virtual_memory().available
     source = resolve_model(model, allowed_dirs=None)
     engine = Engine(load_for_this_device(source))
-    weights = dict(tree_flatten(engine.model.parameters()))
     if backend != "cpu":  # kernels compiled before timing, as a warm GPU group has them
         engine.prefill([1] * 1024, 512)
         warm_up(engine, max_batch)
     run = _Run(engine, BatchDecoder(engine, max_batch=max_batch), max_batch, load_tokenizer(source))
-    run.kv_budget_bytes = limit - sum(w.nbytes for w in weights.values()) - HEADROOM_BYTES
+    run.limit_bytes = limit
     for document in sorted({r.document for r in requests}):
         run.document([r for r in requests if r.document == document], tokens, chunk)
     run.drain()
@@ -54,7 +62,7 @@ def floor(requests: list[Request], tokens: dict[str, list[int]], model: str) -> 
         "prefill_tokens": run.prefill_tokens,
         "chunk_tokens": chunk,
         "max_batch": max_batch,
-        "kv_budget_bytes": run.kv_budget_bytes,
+        "memory_limit_bytes": run.limit_bytes,
         "backend": backend,
         "texts": run.texts,
     }
@@ -68,7 +76,7 @@ class _Run:
         self.texts: dict[str, str] = {}
         self.prefill_s = self.decode_s = 0.0
         self.steps = self.prefill_tokens = 0
-        self.kv_budget_bytes = 0.0
+        self.limit_bytes = 0
         self.kv_bytes_per_token = 0
 
     def document(self, mine: list[Request], tokens: dict[str, list[int]], chunk: int) -> None:
@@ -82,7 +90,7 @@ class _Run:
             if request.kind == "generate":
                 began = time.perf_counter()
                 positions = len(prompt) + request.max_tokens
-                while self.decoder.busy and not self._fits(positions, len(prompt)):
+                while self.decoder.busy and not self._fits(positions):
                     self._step()
                 asked = DecodeRequest(request.custom_id, request.max_tokens, stop_ids=self.eos)
                 self.decoder.add(asked, result)
@@ -110,20 +118,22 @@ class _Run:
         )
         return result
 
-    def _fits(self, positions: int, prompt_tokens: int) -> bool:
+    def _fits(self, positions: int) -> bool:
         """Whether a row of `positions` joins without running out of memory. Rows are aligned
         at their ends, so each holds as many positions as the longest; a join builds the
-        batch's new buffers (slots doubled as needed) while the old ones and the document's
-        prefill cache (`prompt_tokens`, kept for its next question) still live."""
+        batch's new buffers (slots doubled as needed) while everything now in use (weights,
+        the batch's old buffers, the document's prefill cache kept for its next question)
+        still lives. What is in use is measured, with MLX's cache of freed buffers returned."""
+        import mlx.core as mx
+
         from ring_worker.engine.batch_cache import grown_slots
 
         rows = len(self.held) + 1
         longest = max([positions, *self.held.values()])
-        cache = self.decoder.cache
-        before = cache.slots * cache.capacity if cache.slots else 0
-        after = grown_slots(cache.slots, rows) * longest
-        needed = (before + after + prompt_tokens) * self.kv_bytes_per_token
-        return rows <= self.max_batch and needed <= self.kv_budget_bytes
+        after = grown_slots(self.decoder.cache.slots, rows) * longest * self.kv_bytes_per_token
+        mx.clear_cache()
+        needed = mx.get_active_memory() + after + HEADROOM_BYTES
+        return rows <= self.max_batch and needed <= self.limit_bytes
 
     def _step(self) -> None:
         for result in self.decoder.step():

@@ -400,9 +400,19 @@ def ask(client: Any, request: Any, started: float, server: subprocess.Popen) -> 
 
 
 def engine_floor(requests: list, tokens: dict[str, list[int]], model: str) -> dict[str, Any]:
-    try:
-        from bench.workload_floor import floor
+    """The floor in a process of its own, as a rank runs: the device memory it held (its MLX
+    cache, an out-of-memory's leftovers) goes back before the peer loads."""
+    from ring_worker.runtime.processes import rank_environment
 
-        return floor(requests, tokens, model)
+    folder = Path(tempfile.mkdtemp(prefix="ringq-wl-floor-"))
+    work, out = folder / "work.json", folder / "floor.json"
+    try:
+        rows = [asdict(r) for r in requests]
+        work.write_text(json.dumps({"requests": rows, "tokens": tokens, "model": model}))
+        code = f"from bench.workload_floor import main; main({str(work)!r}, {str(out)!r})"
+        subprocess.run([sys.executable, "-c", code], env=rank_environment(), check=True)
+        return dict(json.loads(out.read_text()))
     except Exception:
         return failed("engine floor")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
