@@ -6,10 +6,9 @@ writer could, each timed apart, GB/s:
 - save_<dir>: `save_prompt_cache` (the checkpoint writer's call) into `dir`;
 - numpy_<dir>: host arrays already read, written with `ndarray.tofile` (the disk alone);
 - threads4_<dir>: `save_prompt_cache` of a quarter of the layers each, four threads at once;
-- snapshot: the compute thread's share, `checkpoint.snapshot` (GPU slices copied to the host);
-- busy_device_disk / busy_host_disk: `save_prompt_cache` from another thread while this one
-  keeps the GPU stream busy (as a prefill does), of the GPU arrays / of the snapshot's host
-  copies (what the checkpoint writer does).
+- snapshot: the compute thread's share, `checkpoint.snapshot` (evaluated copies of the slices);
+- busy_device_disk: `save_prompt_cache` from another thread while this one keeps the GPU
+  stream busy with short matmuls (as the checkpoint writer runs beside a prefill).
 
 `dir` is the checkpoint home's disk (`--home`) and /dev/shm (host memory).
 
@@ -132,11 +131,6 @@ def main(
     ways["snapshot"] = snapshot
     ways["busy_device_disk"] = lambda c: busy_while(lambda: save_prompt_cache(disk_file, c))
 
-    def busy_host_disk(c: list[KVCache]) -> None:
-        parts = snapshot(c)
-        busy_while(lambda: save_prompt_cache(disk_file, [p.cache() for p in parts]))
-
-    ways["busy_host_disk"] = busy_host_disk
     result: dict[str, object] = {"model": model, "tokens": tokens, "segment_gb": round(gb, 3),
                                  "dirs": {k: str(v) for k, v in dirs.items()}}  # fmt: skip
     for name, way in ways.items():
