@@ -16,10 +16,10 @@ order-free, so any layout is rebuilt from any other by cutting and concatenating
 The index is jobs/prefix_index.py, the files ring_worker/runtime/cache_store.py, placement by a
 kept or in-flight prefix jobs/admit_plan.py, the in-memory copy ring_worker/engine/memory_tier.py.
 
-Every prompt's KV is kept in memory; on disk unless writing and reading the file back is slower
-than recomputing it (`worth_a_file`), or it adds less than KEEP_MIN_NEW_FRACTION beyond the prefix
-it reused (eight questions on one document keep the document once). RINGQ_PREFIX_CACHE=off turns
-matching and keeping off."""
+Every prompt's KV is kept in memory; on disk only where the job's wait for the write is a small
+share of the prefill the file saves (`worth_a_file`: CPU nodes, not GPUs), and unless it adds
+less than KEEP_MIN_NEW_FRACTION beyond the prefix it reused (eight questions on one document
+keep the document once). RINGQ_PREFIX_CACHE=off turns matching and keeping off."""
 
 import hashlib
 from array import array
@@ -35,8 +35,8 @@ BLOCK_TOKENS = 256
 KEEP_MIN_NEW_FRACTION = 0.25
 WAIT_MIN_FRACTION = 0.5  # of a prompt an in-flight prefill must stand for, for a job to wait
 PENDING_TTL_S = 3600.0  # an in-flight marker's safety expiry (one of an ended job is ignored)
-READ_BYTES_PER_S = 2e9  # a 128K prompt's 16 GiB file reads back in 6-9 s on an H200
-WRITE_BYTES_PER_S = 1e9  # and writes in 18 s on an H100 host, on the group's compute path
+WRITE_BYTES_PER_S = 1e9  # a 128K prompt's 16 GiB file writes in 18 s on an H100 host
+FILE_WAIT_SHARE = 0.1  # of the prefill a file saves: the most a job waits for its write
 PENDING_GRACE_S = 60.0  # a finished job's marks still count this long (its KV is being kept)
 
 Layout = Strategy  # the layout an entry was kept by: the strategy that prefilled it
@@ -167,13 +167,15 @@ def worth_keeping(prompt_tokens: int, reused_tokens: int) -> bool:
 
 
 def worth_a_file(recompute_s: float, file_bytes: int) -> bool:
-    """Whether a disk copy of a prompt's KV pays for itself at its first reuse: writing it (the
-    group waits for that) and reading it back must beat recomputing the prompt. On a GPU it does
-    not (an H200 prefills 128K tokens of the 8B shape in ~11 s; the file takes ~17 s to write),
-    so a GPU group keeps the prompt in memory only; a CPU node prefills ~100x slower and keeps its
-    files. Unknown (0) times keep the file."""
-    seconds = file_bytes / READ_BYTES_PER_S + file_bytes / WRITE_BYTES_PER_S
-    return recompute_s <= 0 or seconds < recompute_s
+    """Whether a prompt's KV is also written to disk: only where the group's wait for the
+    write (it runs before the job's decode and result) is at most FILE_WAIT_SHARE of the prefill
+    the file would save; reading it back then costs less than recomputing too. A CPU node
+    prefills ~100x slower than a GPU and keeps its files (SmolLM2 at 4K: 0.2 s of write against
+    3 s of prefill); a GPU group keeps prompts in memory only, at every length (an H200
+    prefills 128K tokens of the 8B shape in ~11 s, the file takes ~17 s to write; a 524K prompt
+    of the Qwen2.5-1M shape took 47.5 s to write against its 108 s prefill on an H100). Unknown
+    (0) times keep the file."""
+    return recompute_s <= 0 or file_bytes / WRITE_BYTES_PER_S <= FILE_WAIT_SHARE * recompute_s
 
 
 def choose_entry(entries: Sequence[CacheEntry], node_order: Sequence[str]) -> CacheEntry | None:

@@ -164,10 +164,13 @@ GIB = 1024**3
 @pytest.mark.parametrize(
     ("recompute_s", "file_bytes", "keep"),
     [
-        (0.11, GIB // 2, False),  # H200, 8B shape, 4K prompt: reading it back is slower
-        (11.8, 16 * GIB, False),  # the same at 128K: reading is faster, writing and reading not
+        (0.11, GIB // 2, False),  # H200, 8B shape, 4K prompt
+        (11.8, 16 * GIB, False),  # the same at 128K
         (3.0, 180 * 1024**2, True),  # CPU, SmolLM2 at 4K
-        (30.0, 16 * GIB, True),  # a prefill three times the H200's: the file pays
+        (30.0, 16 * GIB, False),  # a prefill three times the H200's: the job would wait 17 s
+        (108.0, 30 * GIB, False),  # H100, Qwen2.5-1M shape at 524K: 32 s of wait
+        (400.0, 16 * GIB, True),  # a wait of 4 % of the prefill it saves
+        (12.0, 2 * GIB, False),  # a wait of 18 %
         (0.0, 16 * GIB, True),  # no timing: keep
     ],
 )
