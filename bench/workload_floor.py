@@ -7,6 +7,7 @@ the other as one group does; loading and warm-up are not counted. Run by
 bench.workload_sides.engine_floor in a process of its own (`main`)."""
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,19 @@ def floor(requests: list[Request], tokens: dict[str, list[int]], model: str) -> 
     if backend != "cpu":  # kernels compiled before timing, as a warm GPU group has them
         engine.prefill([1] * 1024, 512)
         warm_up(engine, max_batch)
+        print(f"floor: warmed up, limit {limit / 1e9:.1f} GB, {mx.get_active_memory() / 1e9:.1f} "
+              f"GB active", file=sys.stderr, flush=True)  # fmt: skip
     run = _Run(engine, BatchDecoder(engine, max_batch=max_batch), max_batch, load_tokenizer(source))
     run.limit_bytes = limit
     for document in sorted({r.document for r in requests}):
         run.document([r for r in requests if r.document == document], tokens, chunk)
+        print(
+            f"floor: document {document} done at {run.prefill_s:.1f} s of prefill, "
+            f"{mx.get_active_memory() / 1e9:.1f} GB active, {mx.get_peak_memory() / 1e9:.1f} GB "
+            f"peak, {len(run.held)} rows",
+            file=sys.stderr,
+            flush=True,
+        )
     run.drain()
     return {
         "seconds": run.prefill_s + run.decode_s,

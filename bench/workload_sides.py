@@ -410,7 +410,12 @@ def engine_floor(requests: list, tokens: dict[str, list[int]], model: str) -> di
         rows = [asdict(r) for r in requests]
         work.write_text(json.dumps({"requests": rows, "tokens": tokens, "model": model}))
         code = f"from bench.workload_floor import main; main({str(work)!r}, {str(out)!r})"
-        subprocess.run([sys.executable, "-c", code], env=rank_environment(), check=True)
+        ran = subprocess.run(
+            [sys.executable, "-c", code], env=rank_environment(), capture_output=True, text=True
+        )
+        print(ran.stderr, file=sys.stderr, flush=True)
+        if ran.returncode != 0:
+            return {"error": f"exit {ran.returncode}: {ran.stderr[-3000:]}"}
         return dict(json.loads(out.read_text()))
     except Exception:
         return failed("engine floor")
