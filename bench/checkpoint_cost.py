@@ -6,7 +6,7 @@ RINGQ_CHECKPOINT_TOKENS (one process, one device, mlx-lm's own chunked prefill).
 
 At every chunk boundary: the chunk's prefill time, then (outside that time) what a checkpoint
 segment of that chunk costs: `snapshot` (on the compute path: evaluated copies of the chunk's
-new KV) and the write (the writer thread's work: mlx-lm's save_prompt_cache of that segment).
+new KV) and the write (the writer thread's work: the segment's `save`).
 Checkpoints write only what was added since the last (ring_worker/engine/checkpoint.py), so one
 every
 E tokens writes the same bytes as E / chunk of these segments, in fewer files: summing them is
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from jobs.model_catalog import resolve_model
 from ring_worker.engine.checkpoint import snapshot
@@ -49,11 +49,11 @@ def measure(model_name: str, tokens: int, chunk_tokens: int, folder: Path) -> li
         mx.eval(model(chunk, cache=cache)[:, -1, :], [c.state for c in cache])
         prefill_s = time.perf_counter() - started
         started = time.perf_counter()
-        copies = snapshot(cache, offset)
+        segment = snapshot(cache, offset)
         offset = cache[0].offset
         snapshot_s = time.perf_counter() - started
         started = time.perf_counter()
-        save_prompt_cache(str(path), copies, metadata={"tokens": str(start + chunk.shape[1])})
+        segment.save(path, {"tokens": str(start + chunk.shape[1])})
         write_s = time.perf_counter() - started
         rows.append(
             {

@@ -63,8 +63,10 @@ for part in "$@"; do
       tar czf "$out/logs-long-document.tgz" -C /tmp/logs long-document
       ;;
     checkpoint-write)
-      timeout 240 python3 -m bench.probes.checkpoint_write --model random:qwen2.5-7b-1m \
-        --tokens 16384 --home /tmp --out "$out/checkpoint-write-probe.json"
+      for keys in 0 400000; do  # busy with matmuls, then with a late prefill's attention
+        timeout 240 python3 -m bench.probes.checkpoint_write --model random:qwen2.5-7b-1m \
+          --tokens 16384 --home /tmp --busy-keys $keys --out "$out/checkpoint-write-probe-$keys.json"
+      done
       ;;
     long-peak)
       python3 -m bench.probes.long_peak --model random:qwen2.5-7b-1m --tokens 131072,262144 \

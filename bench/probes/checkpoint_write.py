@@ -6,9 +6,11 @@ writer could, each timed apart, GB/s:
 - save_<dir>: `save_prompt_cache` (the checkpoint writer's call) into `dir`;
 - numpy_<dir>: host arrays already read, written with `ndarray.tofile` (the disk alone);
 - threads4_<dir>: `save_prompt_cache` of a quarter of the layers each, four threads at once;
-- snapshot: the compute thread's share, `checkpoint.snapshot` (evaluated copies of the slices);
-- busy_device_disk: `save_prompt_cache` from another thread while this one keeps the GPU
-  stream busy with short matmuls (as the checkpoint writer runs beside a prefill).
+- snapshot: the compute thread's share, `checkpoint.snapshot` (the slices copied into one array);
+- busy_layers_disk / busy_flat_disk: from another thread while this one keeps the GPU busy (as
+  the checkpoint writer runs beside a prefill), `save_prompt_cache` of the per-layer arrays /
+  the checkpoint's own write of one array (`Snapshot.save`). The busy work is matmuls, or with
+  `--busy-keys K` attention of a 16K-token chunk over K keys, a late prefill's longest kernels.
 
 `dir` is the checkpoint home's disk (`--home`) and /dev/shm (host memory).
 
@@ -49,10 +51,30 @@ def host_arrays(caches: list[KVCache]) -> list[np.ndarray]:
 
 
 BUSY_SIZE = 8192  # the busy loop's matmuls: (BUSY_SIZE, BUSY_SIZE) bf16, 8 at a time
+BUSY_QUERIES = 16384  # with busy keys: a GPU prefill chunk's queries
 
 
-def busy_while(write: Callable[[], object]) -> None:
-    """`write()` on another thread while this one keeps the GPU queue full of matmuls."""
+def busy_work(keys: int, q_heads: int, kv_heads: int, head_dim: int) -> Callable[[], mx.array]:
+    """One round of the busy loop: 8 matmuls, or (`keys` > 0) one attention call of a chunk."""
+    if keys <= 0:
+        a = mx.random.normal((BUSY_SIZE, BUSY_SIZE)).astype(mx.bfloat16)
+        mx.eval(a)
+
+        def matmuls() -> mx.array:
+            b = a
+            for _ in range(8):
+                b = (b @ a) * 1e-4
+            return b
+
+        return matmuls
+    q = mx.random.normal((1, q_heads, BUSY_QUERIES, head_dim)).astype(mx.bfloat16)
+    k = mx.random.normal((1, kv_heads, keys, head_dim)).astype(mx.bfloat16)
+    mx.eval(q, k)
+    return lambda: mx.fast.scaled_dot_product_attention(q, k, k, scale=head_dim**-0.5)
+
+
+def busy_while(write: Callable[[], object], work: Callable[[], mx.array]) -> None:
+    """`write()` on another thread while this one keeps the GPU queue full of `work`."""
     done = threading.Event()
 
     def run() -> None:
@@ -60,14 +82,9 @@ def busy_while(write: Callable[[], object]) -> None:
         done.set()
 
     writer = threading.Thread(target=run)
-    a = mx.random.normal((BUSY_SIZE, BUSY_SIZE)).astype(mx.bfloat16)
-    mx.eval(a)
     writer.start()
     while not done.is_set():
-        b = a
-        for _ in range(8):
-            b = (b @ a) * 1e-4
-        mx.eval(b)
+        mx.eval(work())
     writer.join()
 
 
@@ -84,9 +101,16 @@ def timed(fresh: Callable[[], list[KVCache]], write: Callable[[list[KVCache]], o
 @click.option("--home", default=None, help="the checkpoints' disk (default: the temp dir)")
 @click.option("--repeat", default=3)
 @click.option("--busy-size", default=BUSY_SIZE, help="the busy loop's matrix side")
+@click.option("--busy-keys", default=0, help="busy with attention over this many keys (0: matmuls)")
 @click.option("--out", default=None, help="also write the JSON here")
 def main(
-    model: str, tokens: int, home: str | None, repeat: int, busy_size: int, out: str | None
+    model: str,
+    tokens: int,
+    home: str | None,
+    repeat: int,
+    busy_size: int,
+    busy_keys: int,
+    out: str | None,
 ) -> None:
     global BUSY_SIZE
     BUSY_SIZE = busy_size
@@ -129,9 +153,18 @@ def main(
         ways[f"threads4_{name}"] = threads4
     disk_file = str(dirs["disk"] / "busy.safetensors")
     ways["snapshot"] = snapshot
-    ways["busy_device_disk"] = lambda c: busy_while(lambda: save_prompt_cache(disk_file, c))
+    work = busy_work(busy_keys, shape.q_heads, shape.kv_heads, head_dim)
+    ways["busy_layers_disk"] = lambda c: busy_while(lambda: save_prompt_cache(disk_file, c), work)
+
+    def busy_flat_disk(c: list[KVCache]) -> None:
+        flat = snapshot(c)
+        busy_while(lambda: flat.save(Path(disk_file), {}), work)
+
+    ways["busy_flat_disk"] = busy_flat_disk
 
     result: dict[str, object] = {"model": model, "tokens": tokens, "segment_gb": round(gb, 3),
+                                 "busy": f"attention over {busy_keys} keys" if busy_keys > 0
+                                 else f"matmuls of {BUSY_SIZE}",
                                  "dirs": {k: str(v) for k, v in dirs.items()}}  # fmt: skip
     for name, way in ways.items():
         try:

@@ -2,19 +2,21 @@
 
 Every `every_tokens` prompt tokens, at a chunk boundary, each rank saves the part of its KV caches
 added since its previous checkpoint (with the few numbers its strategy needs to continue) as one
-segment, `RINGQ_HOME/checkpoints/<job>/<node>/<layout>-rank<r>-<start>-<end>.safetensors` (mlx-lm's
-prompt-cache format); a checkpoint is the chain of segments from token 0. Writing only the new
-part keeps the cost per token constant. The compute thread only materialises the new slices; a
-writer thread writes them to a temporary file and renames it, so a crash mid-write leaves the
-chain before it whole. A node's segments count against RINGQ_CHECKPOINT_BUDGET_BYTES, by default
-the disk down to a tenth of its size free (past it the rank's chain stops growing: a 1M-token
-prompt of the Qwen2.5-1M shape holds 57 GB of KV), and are deleted when the job ends. It is not
-the kept caches' budget (RINGQ_CACHE_BYTES): that store is full in its steady state, and
-evicting from it here would leave its index entries in Redis, which the engine does not reach,
-stale."""
+segment, `RINGQ_HOME/checkpoints/<job>/<node>/<layout>-rank<r>-<start>-<end>.safetensors` (one
+array of every layer's keys and values, their shapes in its metadata); a checkpoint is the chain of
+segments from token 0. Writing only the new part keeps the cost per token constant. The compute
+thread only copies the new slices into that array; a writer thread writes it to a temporary file
+and renames it, so a crash mid-write leaves the chain before it whole. A node's segments count
+against RINGQ_CHECKPOINT_BUDGET_BYTES, by default the disk down to a tenth of its size free (past
+it the rank's chain stops growing: a 1M-token prompt of the Qwen2.5-1M shape holds 57 GB of KV),
+and are deleted when the job ends. It is not the kept caches' budget (RINGQ_CACHE_BYTES): that
+store is full in its steady state, and evicting from it here would leave its index entries in
+Redis, which the engine does not reach, stale."""
 
 import contextlib
+import json
 import logging
+import math
 import os
 import queue
 import re
@@ -27,13 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 from admission.estimate import HELD_SEGMENTS, max_segment_tokens
 from jobs.files import file_bytes, folder_bytes
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
+KV, SHAPES = "kv", "shapes"  # a segment file's one array, and the layers' shapes in it
 DISK_RESERVE = 0.1  # of the disk's size, kept free when no budget is set
 
 
@@ -103,10 +106,11 @@ def read_checkpoint(
              if upto_tokens is None or end <= upto_tokens]  # fmt: skip
     if not chain:
         return None
-    parts, metadata = [], {}
+    parts: list[list[KVCache]] = []
+    metadata: dict[str, str] = {}
     for _, path in chain:
-        cache, metadata = load_prompt_cache(str(path), return_metadata=True)
-        parts.append(cache)
+        caches, metadata = read_segment(path)
+        parts.append(caches)
     joined = []
     for layers in zip(*parts, strict=True):
         keys = mx.concatenate([layer.keys for layer in layers], axis=2)
@@ -156,26 +160,76 @@ def checkpoint_bytes(home: Path, node: str | None = None) -> int:
     return sum(file_bytes(p) for p in root.glob(pattern))
 
 
-def snapshot(cache: list[Any], from_offset: int = 0) -> list[KVCache]:
-    """Evaluated copies of the caches' part from `from_offset` to their end, safe to write while
-    prefill goes on: new arrays, never views, since a held slice keeps each layer's whole buffer
-    alive (a 128K-token prefill on one H200 peaked 14 GiB higher with views)."""
-    copies = []
+@dataclass(frozen=True)
+class Snapshot:
+    """A segment's KV as one evaluated array: each layer's keys, then its values, in order. One
+    buffer, so the writer reads one array back from the device, not one per layer: on an H100 a
+    writer of per-layer arrays fell from ~1 GB/s to 0.14-0.3 GB/s as a 524K prefill's kernels
+    grew, as if each array's read waited for the kernel in flight."""
+
+    flat: mx.array
+    shapes: list[tuple[int, ...]]  # of each layer's keys and values, in `flat`'s order
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+    def caches(self) -> list[KVCache]:
+        """The layers' caches again (views of `flat`)."""
+        return unflatten(self.flat, self.shapes)
+
+    def save(self, path: Path, metadata: dict[str, str]) -> None:
+        """One safetensors file: the array, and the shapes beside `metadata` (`read_segment`)."""
+        mx.save_safetensors(
+            str(path), {KV: self.flat}, {**metadata, SHAPES: json.dumps(self.shapes)}
+        )
+
+
+def read_segment(path: Path) -> tuple[list[KVCache], dict[str, str]]:
+    """A segment file's layers' caches and its metadata (the shapes left out)."""
+    arrays, metadata = mx.load(str(path), return_metadata=True)  # type: ignore[misc]
+    if not (isinstance(arrays, dict) and isinstance(metadata, dict) and SHAPES in metadata):
+        raise ValueError(f"{path} is not a checkpoint segment")
+    shapes = [tuple(shape) for shape in json.loads(metadata.pop(SHAPES))]
+    return unflatten(arrays[KV], shapes), metadata
+
+
+def snapshot(cache: list[Any], from_offset: int = 0) -> Snapshot:
+    """An evaluated copy of the caches' part from `from_offset` to their end, safe to write while
+    prefill goes on: a new array, never views, since a held slice keeps each layer's whole
+    buffer alive (a 128K-token prefill on one H200 peaked 14 GiB higher with views)."""
     for layer in cache:
         if type(layer) is not KVCache:
             raise ValueError(f"checkpoints keep plain KV caches, not {type(layer).__name__}")
-        keys = mx.contiguous(layer.keys[..., from_offset : layer.offset, :])
-        values = mx.contiguous(layer.values[..., from_offset : layer.offset, :])
-        mx.eval(keys, values)
-        copy = KVCache()
-        copy.state = (keys, values, layer.offset - from_offset)
-        copies.append(copy)
-    return copies
+    parts = [a[..., from_offset : layer.offset, :] for layer in cache
+             for a in (layer.keys, layer.values)]  # fmt: skip
+    shapes = [tuple(a.shape) for a in parts]
+    if len(set(shapes)) == 1:  # every layer alike: stacked, copied straight from the buffers
+        flat = mx.stack(parts)
+    else:
+        flat = mx.concatenate([a.flatten() for a in parts])
+    mx.eval(flat)
+    return Snapshot(flat, shapes)
+
+
+def unflatten(flat: mx.array, shapes: list[tuple[int, ...]]) -> list[KVCache]:
+    flat = flat.reshape(-1)
+    arrays, at = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        arrays.append(flat[at : at + size].reshape(shape))
+        at += size
+    caches = []
+    for keys, values in zip(arrays[::2], arrays[1::2], strict=True):
+        cache = KVCache()
+        cache.state = (keys, values, keys.shape[2])
+        caches.append(cache)
+    return caches
 
 
 @dataclass(frozen=True)
 class _Segment:
-    caches: list[KVCache]  # the part of each layer's cache since the previous segment
+    kv: Snapshot  # the part of each layer's cache since the previous segment
     start_tokens: int
     end_tokens: int
     state: dict[str, str]
@@ -255,8 +309,9 @@ class Checkpointer:
         """Hand the caches' part since the last save to the writer (waits while two segments'
         copies are held)."""
         self._held.acquire()
-        copies = snapshot(cache, self.saved_offset)
-        segment = _Segment(copies, self.saved_tokens, done_tokens, state)
+        segment = _Segment(
+            snapshot(cache, self.saved_offset), self.saved_tokens, done_tokens, state
+        )
         self.saved_tokens = done_tokens
         self.saved_offset = cache[0].offset if cache else 0
         self._queue.put(segment)
@@ -313,7 +368,7 @@ class Checkpointer:
                 self._held.release()
 
     def _write(self, segment: _Segment) -> None:
-        size = sum(c.keys.nbytes + c.values.nbytes for c in segment.caches)
+        size = segment.kv.nbytes
         # a segment missing breaks the chain: later ones could not be continued from
         if self.skipped or not self._room_for(size):
             self.skipped += 1
@@ -330,7 +385,7 @@ class Checkpointer:
         partial = path.with_name(path.name + ".partial" + SUFFIX)
         metadata = {**segment.state, "job": self.job_id, "tokens": str(segment.end_tokens)}
         began = time.perf_counter()
-        save_prompt_cache(str(partial), segment.caches, metadata=metadata)
+        segment.kv.save(partial, metadata)
         os.replace(partial, path)
         took = time.perf_counter() - began
         log.info("job %s rank %d: checkpoint at %d tokens (%.2f GB in %.2fs, %.2f GB/s)",

@@ -20,6 +20,7 @@ from ring_worker.engine.checkpoint import (
     delete_checkpoints,
     end_checkpoints,
     read_checkpoint,
+    read_segment,
     saved_tokens,
     segment_chain,
     snapshot,
@@ -335,12 +336,35 @@ def test_a_snapshot_keeps_its_own_copy_not_the_cache_buffer():
     cache.update_and_fetch(keys, keys + 1)
     mx.eval(cache.state)
     buffer_bytes = cache.keys.nbytes + cache.values.nbytes  # capacity 1024 positions
-    (copy,) = snapshot([cache], 900)
+    (copy,) = snapshot([cache], 900).caches()
     assert copy.offset == 100
     assert mx.array_equal(copy.keys, keys[..., 900:, :])
+    assert mx.array_equal(copy.values, keys[..., 900:, :] + 1)
     before = mx.get_active_memory()
     del cache, keys
     assert mx.get_active_memory() <= before - buffer_bytes * 0.9
+
+
+@pytest.mark.parametrize("head_dims", [(16, 16), (16, 8)])
+def test_a_segment_is_one_array_that_reads_back_as_the_layers(short_tmp_path, head_dims):
+    """Layers alike are stacked into one array, layers of different shapes flattened into one;
+    both read back from the file as each layer's keys and values, in their dtype."""
+    caches, expected = [], []
+    for dim in head_dims:
+        cache = KVCache()
+        keys = mx.random.normal((1, 2, 300, dim)).astype(mx.bfloat16)
+        cache.update_and_fetch(keys, keys * 2)
+        caches.append(cache)
+        expected.append(keys[..., 100:, :])
+    segment = snapshot(caches, 100)
+    assert segment.flat.ndim == (5 if len(set(head_dims)) == 1 else 1)
+    path = short_tmp_path / "segment.safetensors"
+    segment.save(path, {"tokens": "300"})
+    layers, metadata = read_segment(path)
+    assert metadata == {"tokens": "300"}
+    for layer, keys in zip(layers, expected, strict=True):
+        assert layer.offset == 200 and layer.keys.dtype == mx.bfloat16
+        assert mx.array_equal(layer.keys, keys) and mx.array_equal(layer.values, keys * 2)
 
 
 @pytest.mark.parametrize(("after_s", "taken"), [(3600.0, False), (1e-6, True)])
