@@ -7,11 +7,11 @@ array of every layer's keys and values, their shapes in its metadata); a checkpo
 segments from token 0. Writing only the new part keeps the cost per token constant. The compute
 thread only copies the new slices into that array; a writer thread writes it to a temporary file
 and renames it, so a crash mid-write leaves the chain before it whole. A node's segments count
-against RINGQ_CHECKPOINT_BUDGET_BYTES, by default the disk down to a tenth of its size free (past
-it the rank's chain stops growing: a 1M-token prompt of the Qwen2.5-1M shape holds 57 GB of KV),
-and are deleted when the job ends. It is not the kept caches' budget (RINGQ_CACHE_BYTES): that
-store is full in its steady state, and evicting from it here would leave its index entries in
-Redis, which the engine does not reach, stale."""
+against RINGQ_CHECKPOINT_BUDGET_BYTES, by default the disk down to a tenth of the space within
+reach free (past it the rank's chain stops growing: a 1M-token prompt of the Qwen2.5-1M shape holds
+57 GB of KV), and are deleted when the job ends. It is not the kept caches' budget
+(RINGQ_CACHE_BYTES): that store is full in its steady state, and evicting from it here would leave
+its index entries in Redis, which the engine does not reach, stale."""
 
 import contextlib
 import json
@@ -37,7 +37,7 @@ from jobs.files import file_bytes, folder_bytes
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 KV, SHAPES = "kv", "shapes"  # a segment file's one array, and the layers' shapes in it
-DISK_RESERVE = 0.1  # of the disk's size, kept free when no budget is set
+DISK_RESERVE = 0.1  # of the space this user can fill, kept free when no budget is set
 
 
 def checkpoint_dir(home: Path, job_id: str) -> Path:
@@ -160,6 +160,13 @@ def checkpoint_bytes(home: Path, node: str | None = None) -> int:
     return sum(file_bytes(p) for p in root.glob(pattern))
 
 
+def disk_room(disk: Any, size: int) -> bool:
+    """Whether `size` more bytes leave DISK_RESERVE of the space this user can fill free: what
+    is used and what is free to it (`shutil.disk_usage`), not the device's size, which a quota
+    or a shared volume may put far beyond reach (a GPU host's 252 GB disk had 64 GB free)."""
+    return disk.free - size >= DISK_RESERVE * (disk.used + disk.free)
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """A segment's KV as one evaluated array: each layer's keys, then its values, in order. One
@@ -255,7 +262,7 @@ class Checkpointer:
         """`after_s`: checkpoints are taken only in a prefill the ranks project (after its first
         step, `decide`) to take at least this many seconds more; 0: in every prefill.
         `node`: its parts go to the node's folder, and `budget_bytes` bounds that node's parts
-        (None: the disk keeps DISK_RESERVE of its size free).
+        (None: the disk keeps DISK_RESERVE of its space free: `disk_room`).
         `on_change(tokens)`: called from the writer thread once the checkpoint reaches `tokens` on
         disk, and with 0 once it is deleted. `skip_while_busy`: no checkpoint is due while the
         writer still writes the last one, until the unsaved part reaches `max_segment_tokens`; so
@@ -397,8 +404,7 @@ class Checkpointer:
         if self.budget_bytes is not None:
             return checkpoint_bytes(self.home, self.node) + size <= self.budget_bytes
         self.home.mkdir(parents=True, exist_ok=True)
-        disk = shutil.disk_usage(self.home)
-        return disk.free - size >= DISK_RESERVE * disk.total
+        return disk_room(shutil.disk_usage(self.home), size)
 
     def report(self, tokens: int) -> None:
         if self.on_change is None:

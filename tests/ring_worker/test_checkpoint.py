@@ -5,6 +5,7 @@ real 2-rank ring."""
 
 import json
 import threading
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -18,6 +19,7 @@ from ring_worker.engine.checkpoint import (
     checkpoint_bytes,
     checkpoint_dir,
     delete_checkpoints,
+    disk_room,
     end_checkpoints,
     read_checkpoint,
     read_segment,
@@ -132,6 +134,20 @@ def test_without_a_budget_checkpoints_keep_the_disk_reserve_free(
     saver.close()
     assert (saver.skipped == 0) is written
     assert (checkpoint_bytes(short_tmp_path) > 0) is written
+
+
+@pytest.mark.parametrize(
+    ("used", "free", "size", "room"),
+    [
+        (17e9, 64e9, 50e9, True),  # a 252 GB disk with 64 GB free: 8.1 GB stays free
+        (17e9, 64e9, 57e9, False),
+        (0.0, 100e9, 90e9, True),
+        (0.0, 100e9, 91e9, False),
+    ],
+)
+def test_the_disk_reserve_is_a_tenth_of_the_space_within_reach(used, free, size, room):
+    usage = SimpleNamespace(total=252e9, used=used, free=free)  # as shutil.disk_usage
+    assert disk_room(usage, int(size)) is room
 
 
 @pytest.mark.parametrize(
