@@ -1,6 +1,7 @@
 """A job's reports from its rank: the progress callback the engine calls (a watchdog kick, then
 rank 0's throttled write) and the result it ends with."""
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -9,11 +10,13 @@ from jobs.schemas import JobKind, JobResult, JobSpec, Progress
 from jobs.tokenizer import ChatTokenizer
 from ring_worker.engine.decode_text import cut_at_stop
 from ring_worker.engine.engines import DecodeResult, PrefillResult, ProgressFn
-from ring_worker.engine.eta import Cost, PrefillPace
+from ring_worker.engine.eta import MIN_CHUNKS, Cost, PrefillPace
 from ring_worker.runtime.job_io import JobIO
 from ring_worker.runtime.watchdog import Watchdog
 
 PROGRESS_INTERVAL_S = 0.25
+
+log = logging.getLogger(__name__)
 
 
 def job_result(
@@ -76,6 +79,9 @@ def throttled(io: JobIO, lead: bool, clock: ReportClock | None = None, cost: Cos
             return
         now = time.perf_counter()
         if phase != clock.phase:
+            if clock.pace is not None and len(clock.pace.seen) >= MIN_CHUNKS:  # the ETA's data
+                ends = " ".join(f"{t}:{s:.2f}" for t, s in clock.pace.seen)
+                log.info("job %s: prefill chunks ended (tokens:s) %s", io.job_id, ends)
             clock.phase, clock.phase_started_s, clock.phase_from = phase, now, done
             clock.pace = PrefillPace(cost, done) if cost and phase == "prefill" else None
         if clock.pace is not None:

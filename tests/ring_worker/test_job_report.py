@@ -70,3 +70,15 @@ def test_a_prefills_eta_weighs_the_work_left_by_its_cost():
     assert first.eta_s is None  # no work done yet to go by
     elapsed = 50 / last.prompt_tps
     assert last.eta_s is not None and math.isclose(last.eta_s, 3 * elapsed, rel_tol=1e-6)
+
+
+def test_a_prefill_logs_the_chunk_ends_its_eta_was_fitted_to(caplog):
+    io = Recorded()
+    io.job_id = "j"  # type: ignore[attr-defined]
+    report = throttled(cast(JobIO, cast(Any, io)), lead=True, cost=lambda start, end: end - start)
+    for done in (0, 100, 200, 300):
+        report("prefill", done, 300)
+    with caplog.at_level("INFO", logger="ring_worker.runtime.job_report"):
+        report("decode", 1, 10)
+    (line,) = [r.getMessage() for r in caplog.records if "prefill chunks" in r.getMessage()]
+    assert [int(end.split(":")[0]) for end in line.split(") ")[1].split()] == [0, 100, 200, 300]
