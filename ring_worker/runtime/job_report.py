@@ -79,13 +79,13 @@ def throttled(io: JobIO, lead: bool, clock: ReportClock | None = None, cost: Cos
             return
         now = time.perf_counter()
         if phase != clock.phase:
-            if clock.pace is not None and len(clock.pace.seen) >= MIN_CHUNKS:  # the ETA's data
-                ends = " ".join(f"{t}:{s:.2f}" for t, s in clock.pace.seen)
-                log.info("job %s: prefill chunks ended (tokens:s) %s", io.job_id, ends)
             clock.phase, clock.phase_started_s, clock.phase_from = phase, now, done
             clock.pace = PrefillPace(cost, done) if cost and phase == "prefill" else None
         if clock.pace is not None:
             clock.pace.add(done, now - clock.phase_started_s)
+            if done == total and len(clock.pace.seen) > MIN_CHUNKS:  # what the ETA was fitted to
+                ends = " ".join(f"{t}:{s:.2f}" for t, s in clock.pace.seen)
+                log.info("job %s: prefill chunks ended (tokens:s) %s", io.job_id, ends)
         if done not in (1, total) and now - clock.last_write_s < clock.interval_s:
             return
         clock.last_write_s = now

@@ -76,9 +76,8 @@ def test_a_prefill_logs_the_chunk_ends_its_eta_was_fitted_to(caplog):
     io = Recorded()
     io.job_id = "j"  # type: ignore[attr-defined]
     report = throttled(cast(JobIO, cast(Any, io)), lead=True, cost=lambda start, end: end - start)
-    for done in (0, 100, 200, 300):
-        report("prefill", done, 300)
     with caplog.at_level("INFO", logger="ring_worker.runtime.job_report"):
-        report("decode", 1, 10)
+        for done in (0, 100, 200, 300):
+            report("prefill", done, 300)
     (line,) = [r.getMessage() for r in caplog.records if "prefill chunks" in r.getMessage()]
     assert [int(end.split(":")[0]) for end in line.split(") ")[1].split()] == [0, 100, 200, 300]
