@@ -171,10 +171,11 @@ def worth_a_file(recompute_s: float, file_bytes: int) -> bool:
     write (it runs before the job's decode and result) is at most FILE_WAIT_SHARE of the prefill
     the file would save; reading it back then costs less than recomputing too. A CPU node
     prefills ~100x slower than a GPU and keeps its files (SmolLM2 at 4K: 0.2 s of write against
-    3 s of prefill); a GPU group keeps prompts in memory only, at every length (an H200
+    3 s of prefill); a GPU group keeps prompts in memory only up to about 1M tokens (an H200
     prefills 128K tokens of the 8B shape in ~11 s, the file takes ~17 s to write; a 524K prompt
-    of the Qwen2.5-1M shape took 47.5 s to write against its 108 s prefill on an H100). Unknown
-    (0) times keep the file."""
+    of the Qwen2.5-1M shape took 47.5 s to write against its 108 s prefill on an H100; the
+    prefill grows with the square of the length, the file with the length). Unknown (0) times
+    keep the file."""
     return recompute_s <= 0 or file_bytes / WRITE_BYTES_PER_S <= FILE_WAIT_SHARE * recompute_s
 
 

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import click
@@ -116,7 +117,7 @@ def main(
     BUSY_SIZE = busy_size
     shape = read_model_shape(resolve_model(model, allowed_dirs=None))
     head_dim = shape.head_dim
-    fresh = lambda: segment(shape.layers, shape.kv_heads, head_dim, tokens)  # noqa: E731
+    fresh = partial(segment, shape.layers, shape.kv_heads, head_dim, tokens)
     gb = sum(c.keys.nbytes + c.values.nbytes for c in fresh()) / 1e9
     dirs = {"disk": Path(tempfile.mkdtemp(dir=home)), "shm": Path(tempfile.mkdtemp(dir="/dev/shm"))}
     ways: dict[str, Callable[[list[KVCache]], object]] = {"host_copy": host_arrays}

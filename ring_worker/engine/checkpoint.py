@@ -181,10 +181,6 @@ class Snapshot:
     def nbytes(self) -> int:
         return self.flat.nbytes
 
-    def caches(self) -> list[KVCache]:
-        """The layers' caches again (views of `flat`)."""
-        return unflatten(self.flat, self.shapes)
-
     def save(self, path: Path, metadata: dict[str, str]) -> None:
         """One safetensors file: the array, and the shapes beside `metadata` (`read_segment`)."""
         mx.save_safetensors(

@@ -27,6 +27,7 @@ from ring_worker.engine.checkpoint import (
     segment_chain,
     snapshot,
     start_checkpoints,
+    unflatten,
 )
 from ring_worker.engine.engines import Engine
 from ring_worker.engine.group import free_loopback_ports
@@ -352,7 +353,8 @@ def test_a_snapshot_keeps_its_own_copy_not_the_cache_buffer():
     cache.update_and_fetch(keys, keys + 1)
     mx.eval(cache.state)
     buffer_bytes = cache.keys.nbytes + cache.values.nbytes  # capacity 1024 positions
-    (copy,) = snapshot([cache], 900).caches()
+    segment = snapshot([cache], 900)
+    (copy,) = unflatten(segment.flat, segment.shapes)
     assert copy.offset == 100
     assert mx.array_equal(copy.keys, keys[..., 900:, :])
     assert mx.array_equal(copy.values, keys[..., 900:, :] + 1)

@@ -14,6 +14,8 @@ from ring_worker.runtime.job_report import ReportClock, throttled
 class Recorded:
     """Where the reports go (the part of JobIO that `throttled` writes to)."""
 
+    job_id = "j"
+
     def __init__(self) -> None:
         self.reports: list[Progress] = []
 
@@ -74,7 +76,6 @@ def test_a_prefills_eta_weighs_the_work_left_by_its_cost():
 
 def test_a_prefill_logs_the_chunk_ends_its_eta_was_fitted_to(caplog):
     io = Recorded()
-    io.job_id = "j"  # type: ignore[attr-defined]
     report = throttled(cast(JobIO, cast(Any, io)), lead=True, cost=lambda start, end: end - start)
     with caplog.at_level("INFO", logger="ring_worker.runtime.job_report"):
         for done in (0, 100, 200, 300):
