@@ -37,7 +37,7 @@ from jobs.prefix_cache import (
 )
 from jobs.prefix_index import PendingPrefixes, model_key, read_hint
 from jobs.prompts import tokenize_and_check
-from jobs.recovery import Reconciler, fresh_nodes, retry_delay_s, track_group, untrack_group
+from jobs.recovery import Reconciler, fresh_nodes, retry_waits, track_group, untrack_group
 from jobs.reservations import Reservations
 from jobs.schemas import GroupSpec, JobKind, JobRecord, JobSpec, NodeInfo, Placement, Progress
 from jobs.settings import Settings, get_settings, group_batch_limit
@@ -111,8 +111,7 @@ class Dispatcher:
         if record.state != JobState.QUEUED:
             self.memory_waits.drop(job_id)
             return f"skipped ({record.state})"
-        if record.attempt and time.time() < record.updated_at + retry_delay_s(self.settings):
-            # a retry: wait until a node that died with the lost group is no longer live
+        if retry_waits(record, self.store.live_nodes(), self.settings):
             return self.wait(record, Wait(record.waiting_reason or "retrying"), again)
         job = self.prepare(record)
         cluster = self.read_cluster(record)

@@ -117,9 +117,20 @@ def final_reason(record: JobRecord, failure: GroupFailure) -> str:
 
 
 def retry_delay_s(settings: Settings) -> float:
-    """How long a retried job waits before placement: long enough for a dead node to go stale,
-    so the new placement avoids it."""
+    """The longest a retried job waits before placement: long enough for a dead node to go
+    stale, so the new placement avoids it."""
     return stale_after_s(settings) + settings.node_heartbeat_s
+
+
+def retry_waits(record: JobRecord, nodes: list[NodeInfo], settings: Settings) -> bool:
+    """Whether a retried job still waits: while a node not heard from since the job went back
+    to the queue is not yet stale (it may have died with the lost group), and at most
+    `retry_delay_s`. A rank that died on a live node (killed, out of memory) is retried at the
+    nodes' next heartbeats, not after a dead node's full timeout."""
+    now, requeued = time.time(), record.updated_at
+    if not record.attempt or now >= requeued + retry_delay_s(settings):
+        return False
+    return any(n.heartbeat_at < requeued for n in fresh_nodes(nodes, settings))
 
 
 def stale_after_s(settings: Settings) -> float:

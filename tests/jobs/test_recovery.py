@@ -21,6 +21,8 @@ from jobs.recovery import (
     reconcile,
     report_group_failure,
     rescue_dequeued,
+    retry_delay_s,
+    retry_waits,
     track_group,
 )
 from jobs.reservations import Reservations
@@ -234,6 +236,25 @@ def test_the_reconciler_retries_a_group_on_a_node_that_stopped_heartbeating(stor
         record.state == JobState.QUEUED and "node n1 stopped answering" in record.retry_reasons[0]
     )
     assert store.conn.hlen(keys.GROUPS_INDEX) == 0
+
+
+def test_a_retry_waits_for_every_live_node_to_be_heard_from_again(store, settings):
+    job = new_job(store)
+    place(store, job, "g1")
+    lose_group(store.conn, settings, job, "g1", "rank 1 was killed by signal 9")
+    record = store.get(job)
+    lost_at = record.updated_at
+    put_node(store, "n0", heartbeat_at=lost_at + 0.5)  # heard since: alive
+    put_node(store, "n1", heartbeat_at=lost_at - 0.5)  # not yet: it may have died with the group
+    assert retry_waits(record, store.live_nodes(), settings)
+    put_node(store, "n1", heartbeat_at=lost_at + 1.0)  # its next heartbeat
+    assert not retry_waits(record, store.live_nodes(), settings)
+    # a node that stays silent holds the retry no longer than the time it takes to go stale
+    put_node(store, "n1", heartbeat_at=lost_at - 0.5)
+    later = record.model_copy(update={"updated_at": time.time() - retry_delay_s(settings)})
+    assert not retry_waits(later, store.live_nodes(), settings)
+    # a first attempt never waits
+    assert not retry_waits(store.get(new_job(store, "j2")), store.live_nodes(), settings)
 
 
 def test_the_reconciler_retries_a_group_whose_lease_nobody_renews(store, settings):
