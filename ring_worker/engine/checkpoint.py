@@ -437,13 +437,16 @@ def start_checkpoints(
     )  # fmt: skip
     reach = resumable_tokens(home, job_id, layout, rank, chunk_tokens, total_tokens, node)
     common = min(gather(reach))  # a rank's writer may have lagged one segment behind
+    began = time.perf_counter()
     mine = read_checkpoint(home, job_id, layout, rank, common, node) if common > 0 else None
     resume = agree_on_resume(mine, gather)
     if resume is not None:
         saver.continue_from(resume)
-        log.info(
-            "job %s rank %d: resuming from the checkpoint at %d tokens", job_id, rank, resume.tokens
-        )
+        mx.eval([layer.state for layer in resume.cache])  # read now, so its time is its own
+        size = sum(layer.keys.nbytes + layer.values.nbytes for layer in resume.cache)
+        log.info("job %s rank %d: resuming from the checkpoint at %d tokens (%.2f GB read in "
+                 "%.2fs)", job_id, rank, resume.tokens, size / 1e9,
+                 time.perf_counter() - began)  # fmt: skip
     return saver, resume
 
 
