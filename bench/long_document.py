@@ -16,7 +16,9 @@ On a fresh `ringq up` (one node agent per GPU, or `--nodes`):
    prefill took checkpoints by the rule (RINGQ_CHECKPOINT_AFTER_S), else restarts.
 `restart_s` is the first job's submit -> finished on its fresh group: what a restart from zero
 repeats (its load, prefill and answer); `resume_s` is the killed job's kill -> finished, which
-also counts noticing the death and placing the retry. `ideal_s` is the prompt's FLOPs (2 P + 2
+also counts noticing the death and placing the retry. `prefill_share_after_kill` is the prompt's
+FLOPs after the kill's token over all of them: what even a checkpoint taken at the kill leaves to
+redo (at 80 % of the tokens, about a third, since each later token attends to more). `ideal_s` is the prompt's FLOPs (2 P + 2
 layers d_model N per token) over 60 % of `--peak-tflops` (dense bf16: 989 for an H100 or H200).
 Writes bench/results/long-document-<machine>.json.
 """
@@ -186,6 +188,9 @@ def run_jobs(args: dict[str, Any], question: JobSpec, home: Path) -> dict[str, A
         "eta_samples": len(errors),
         "restart_s": one.updated_at - one.created_at,
         **killed,
+        # the prefill a retry redoes even from a checkpoint at the kill: a late token costs more
+        "prefill_share_after_kill": shape.prefill_flops(killed["killed_at_tokens"], prompt_tokens)
+        / flops,
         "second_question_prefill_s": two.result.prefill_s,
         "second_question_cached_tokens": two.result.cached_tokens,
         "second_question_cache_source": two.result.cache_source,
