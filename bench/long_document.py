@@ -18,8 +18,9 @@ On a fresh `ringq up` (one node agent per GPU, or `--nodes`):
 repeats (its load, prefill and answer); `resume_s` is the killed job's kill -> finished, which
 also counts noticing the death and placing the retry. `prefill_share_after_kill` is the prompt's
 FLOPs after the kill's token over all of them: what even a checkpoint taken at the kill leaves to
-redo (at 80 % of the tokens, about a third, since each later token attends to more). `ideal_s` is the prompt's FLOPs (2 P + 2
-layers d_model N per token) over 60 % of `--peak-tflops` (dense bf16: 989 for an H100 or H200).
+redo (at 80 % of the tokens, about a third, since each later token attends to more). `ideal_s`
+is the prompt's FLOPs (2 P + 2 layers d_model N per token) over 60 % of `--peak-tflops` (dense
+bf16: 989 for an H100 or H200).
 Writes bench/results/long-document-<machine>.json.
 """
 

@@ -162,7 +162,12 @@ def main(
         click.echo(f"engine floor: {ran['engine_floor'].get('seconds')}", err=True)
         write()
     if "mlx_lm_server" in chosen_sides:
-        ran["mlx_lm_server"] = workload_sides.run_peer(requests, chosen.model, grid, logs)
+
+        def partial(summary: dict[str, Any]) -> None:
+            ran["mlx_lm_server"] = summary
+            write()
+
+        ran["mlx_lm_server"] = workload_sides.run_peer(requests, chosen.model, grid, logs, partial)
         best = ran["mlx_lm_server"].get("best") or {}
         click.echo(f"mlx_lm.server: best {best.get('makespan_s')}", err=True)
     report = write()

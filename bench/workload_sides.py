@@ -13,7 +13,7 @@ import tempfile
 import time
 import traceback
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -277,12 +277,20 @@ def export_model(model: str, path: Path) -> None:
     tokenizer.hf.save_pretrained(path)
 
 
-def run_peer(requests: list, model: str, grid: list, logs: Path | None) -> dict[str, Any]:
+def run_peer(
+    requests: list,
+    model: str,
+    grid: list,
+    logs: Path | None,
+    on_try: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Every setting of `grid` in turn on the exported weights; the best is the fastest try that
-    answered every request."""
+    answered every request. `on_try`: given the summary so far after each try (a run cut short
+    keeps the tries it finished)."""
     from ring_worker.runtime.processes import rank_environment
 
     folder = Path(tempfile.mkdtemp(prefix="ringq-wl-peer-"))
+    tries: list[dict[str, Any]] = []
     try:
         began = time.perf_counter()
         code = (
@@ -291,11 +299,18 @@ def run_peer(requests: list, model: str, grid: list, logs: Path | None) -> dict[
         )
         subprocess.run([sys.executable, "-c", code], env=rank_environment(), check=True)
         export_s = time.perf_counter() - began
-        tries = [peer_try(folder, requests, settings, logs) for settings in grid]
+        for settings in grid:
+            tries.append(peer_try(folder, requests, settings, logs))
+            if on_try is not None and len(tries) < len(grid):
+                on_try(peer_summary(tries, export_s))
     except Exception:
         return failed("mlx_lm.server")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    return peer_summary(tries, export_s)
+
+
+def peer_summary(tries: list[dict[str, Any]], export_s: float) -> dict[str, Any]:
     complete = [t for t in tries if t.get("makespan_s") and not t.get("errors")]
     best = min(complete, key=lambda t: t["makespan_s"]) if complete else None
     return {
