@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ OUT = Path(__file__).parent / "results"
 TIMEOUT_S = 3600.0
 SAMPLE_S = 0.5
 IDEAL_SHARE = 0.6  # of the card's dense peak: the line a prefill is held to
+Phase = Callable[[dict[str, Any]], object]  # given the report so far
 
 
 class Sampler:
@@ -138,44 +140,68 @@ def kill_late(store: JobStore, home: Path, spec: JobSpec, share: float) -> dict[
     }
 
 
-def measure(args: dict[str, Any]) -> dict[str, Any]:
+def measure(args: dict[str, Any], on_phase: Phase | None = None) -> dict[str, Any]:
+    """The report; `on_phase(report so far)` after the first job and after the second question,
+    so a run cut short keeps what it measured."""
     question = JobSpec(
         kind=JobKind.GENERATE, document=document_of(args["tokens"]), model=args["model"],
         max_tokens=32, prompt="What is this document about?",
     )  # fmt: skip
     home = Path(tempfile.mkdtemp(prefix="ringq-long-document-"))
     try:
-        return run_jobs(args, question, home)
+        return run_jobs(args, question, home, on_phase or (lambda report: None))
     finally:
         if args.get("logs") and (home / "logs").is_dir():  # the ranks' own account of each phase
             shutil.copytree(home / "logs", args["logs"], dirs_exist_ok=True)
         shutil.rmtree(home, ignore_errors=True)
 
 
-def run_jobs(args: dict[str, Any], question: JobSpec, home: Path) -> dict[str, Any]:
+def run_jobs(
+    args: dict[str, Any], question: JobSpec, home: Path, on_phase: Phase
+) -> dict[str, Any]:
     model, tokens, gpu = args["model"], args["tokens"], args["peak_tflops"] > 0
     settings = Settings(home=home, redis_url=None)
+    shape = read_model_shape(resolve_model(model, allowed_dirs=None))
     with LocalCluster(settings, args["nodes"]) as cluster:
         cluster.wait_ready(timeout_s=180)
         store = JobStore(connect(cluster.url))
         first = submit_job(store.conn, question)
         with Sampler(store, first.id, gpu) as sampler:
             one = finished(store, first.id)
-        assert one.result is not None and one.placement is not None
-        started = one.result.prefill_started_at or one.created_at
-        errors = eta_errors(sampler.rows, started + one.result.prefill_s)
+        report = first_job(one, sampler.rows, shape, args["peak_tflops"] * 1e12)
+        on_phase(report)
         again = submit_job(store.conn, question.model_copy(update={"prompt": "Who wrote it?"}))
         two = finished(store, again.id)
         assert two.result is not None
+        report |= {
+            "second_question_prefill_s": two.result.prefill_s,
+            "second_question_cached_tokens": two.result.cached_tokens,
+            "second_question_cache_source": two.result.cache_source,
+        }
+        on_phase(report)
         rotated = question.model_copy(update={"document": document_of(tokens, 1)})
         killed = kill_late(store, home, rotated, args["kill_at"])
-    shape = read_model_shape(resolve_model(model, allowed_dirs=None))
+    prompt_tokens = report["prompt_tokens"]
+    return report | {
+        **killed,
+        # the prefill a retry redoes even from a checkpoint at the kill: a late token costs more
+        "prefill_share_after_kill": shape.prefill_flops(killed["killed_at_tokens"], prompt_tokens)
+        / shape.prefill_flops(0, prompt_tokens),
+    }
+
+
+def first_job(
+    one: JobRecord, samples: list[dict[str, Any]], shape: Any, peak: float
+) -> dict[str, Any]:
+    """The first job's figures: its prefill against the FLOPs line, memory, ETA and time."""
+    assert one.result is not None and one.placement is not None
+    started = one.result.prefill_started_at or one.created_at
+    errors = eta_errors(samples, started + one.result.prefill_s)
     prompt_tokens = one.result.prompt_tokens
     flops = shape.prefill_flops(0, prompt_tokens)
-    peak = args["peak_tflops"] * 1e12
-    memory = [row["memory_bytes"] for row in sampler.rows if row["memory_bytes"]]
+    memory = [row["memory_bytes"] for row in samples if row["memory_bytes"]]
     return {
-        "model": model,
+        "model": one.spec.model,
         "prompt_tokens": prompt_tokens,
         "placement": one.placement.reason,
         "prefill_s": one.result.prefill_s,
@@ -188,14 +214,7 @@ def run_jobs(args: dict[str, Any], question: JobSpec, home: Path) -> dict[str, A
         "eta_error_median": sorted(errors)[len(errors) // 2] if errors else None,
         "eta_samples": len(errors),
         "restart_s": one.updated_at - one.created_at,
-        **killed,
-        # the prefill a retry redoes even from a checkpoint at the kill: a late token costs more
-        "prefill_share_after_kill": shape.prefill_flops(killed["killed_at_tokens"], prompt_tokens)
-        / flops,
-        "second_question_prefill_s": two.result.prefill_s,
-        "second_question_cached_tokens": two.result.cached_tokens,
-        "second_question_cache_source": two.result.cache_source,
-        "samples": sampler.rows,
+        "samples": samples,
     }
 
 
@@ -211,15 +230,20 @@ def run_jobs(args: dict[str, Any], question: JobSpec, home: Path) -> dict[str, A
 def main(**args: Any) -> None:
     info = machine_info(Settings())
     machine = args["machine"] or ("gpu" if args["peak_tflops"] else "cpu")
-    report = {
+    head = {
         "machine": machine,
         "commit": (source_revision() or {}).get("commit"),
         "machine_info": info,
         "command": " ".join(["python -m bench.long_document", *sys.argv[1:]]),
-        **measure(args),
     }
     out = args["out"] or OUT / f"long-document-{machine}.json"
-    out.write_text(json.dumps(report, indent=1) + "\n")
+
+    def write(measured: dict[str, Any]) -> dict[str, Any]:
+        report = head | measured
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        return report
+
+    report = write(measure(args, write))
     summary = {k: v for k, v in report.items() if k != "samples"}
     click.echo(json.dumps(summary, indent=1))
 
