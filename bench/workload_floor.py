@@ -141,6 +141,9 @@ class _Run:
         rows = len(self.held) + 1
         longest = max([positions, *self.held.values()])
         after = grown_slots(self.decoder.cache.slots, rows) * longest * self.kv_bytes_per_token
+        # CUDA frees asynchronously: wait, so the buffers freed so far are back before measuring
+        # (a pool still holding them can fail a large allocation that the numbers say fits)
+        mx.synchronize()
         mx.clear_cache()
         needed = mx.get_active_memory() + after + HEADROOM_BYTES
         return rows <= self.max_batch and needed <= self.limit_bytes
