@@ -442,7 +442,9 @@ def start_checkpoints(
     resume = agree_on_resume(mine, gather)
     if resume is not None:
         saver.continue_from(resume)
-        mx.eval([layer.state for layer in resume.cache])  # read now, so its time is its own
+        # read now: the first chunk's time, which the checkpoint rule and the ETA project
+        # from, then holds its compute alone (a lazy read put 7.5 GB of disk into it)
+        mx.eval([layer.state for layer in resume.cache])
         size = sum(layer.keys.nbytes + layer.values.nbytes for layer in resume.cache)
         log.info("job %s rank %d: resuming from the checkpoint at %d tokens (%.2f GB read in "
                  "%.2fs)", job_id, rank, resume.tokens, size / 1e9,
