@@ -14,13 +14,15 @@ On a fresh `ringq up` (one node agent per GPU, or `--nodes`):
 3. the same document rotated (no prefix in common) submitted again and its last rank killed
    with SIGKILL at `--kill-at` of its prefill: the retry resumes from its checkpoint if the
    prefill took checkpoints by the rule (RINGQ_CHECKPOINT_AFTER_S), else restarts.
-`restart_s` is the first job's submit -> finished on its fresh group: what a restart from zero
-repeats (its load, prefill and answer); `resume_s` is the killed job's kill -> finished, which
-also counts noticing the death and placing the retry. `prefill_share_after_kill` is the prompt's
-FLOPs after the kill's token over all of them: what even a checkpoint taken at the kill leaves to
-redo (at 80 % of the tokens, about a third, since each later token attends to more). `ideal_s`
-is the prompt's FLOPs (2 P + 2 layers d_model N per token) over 60 % of `--peak-tflops` (dense
-bf16: 989 for an H100 or H200).
+`resume_s` is the killed job's kill -> finished: noticing the death, placing the retry, its load
+and warm-up, reading the checkpoint, the rest of the prefill and the answer. `restart_s` is the
+same retry had it started from zero: `resume_s` less its checkpoint read and its prefill, plus the
+first job's whole prefill (`first_job_s`, that job's submit -> finished, also holds a fresh
+machine's kernel compiles, which a retry's group finds cached). `prefill_share_after_kill` is
+the prompt's FLOPs after the kill's token over all of them: what even a checkpoint taken at the
+kill leaves to redo (at 80 % of the tokens, about a third: each later token attends to more).
+`ideal_s` is the prompt's FLOPs (2 P + 2 layers d_model N per token) over 60 % of
+`--peak-tflops` (dense bf16: 989 for an H100 or H200).
 Writes bench/results/long-document-<machine>.json.
 """
 
@@ -41,7 +43,7 @@ import click
 import psutil
 
 from bench.gpu_service import document_of
-from bench.resume import late_in_prefill, resumed_from
+from bench.resume import late_in_prefill, resume_read
 from cli.bench_machine import machine_info, source_revision
 from cli.services import LocalCluster
 from jobs.listing import eta_s
@@ -132,11 +134,14 @@ def kill_late(store: JobStore, home: Path, spec: JobSpec, share: float) -> dict[
     killed_at = time.time()
     os.kill(rank_pid(placement.group_id, last, store.conn, node), signal.SIGKILL)
     end = finished(store, job.id)
+    assert end.result is not None
+    resumed, read_s = resume_read(home, job.id)
     return {
         "killed_at_tokens": late.progress.processed,
-        "resumed_from_tokens": resumed_from(home, job.id),
+        "resumed_from_tokens": resumed,
         "resume_s": end.updated_at - killed_at,
-        "retry_prefill_s": end.result.prefill_s if end.result else None,
+        "retry_prefill_s": end.result.prefill_s,
+        "checkpoint_read_s": read_s,
     }
 
 
@@ -182,8 +187,15 @@ def run_jobs(
         rotated = question.model_copy(update={"document": document_of(tokens, 1)})
         killed = kill_late(store, home, rotated, args["kill_at"])
     prompt_tokens = report["prompt_tokens"]
+    # the same retry from zero: its own placement, load, warm-up and answer, a whole prefill
+    restart_s = (
+        killed["resume_s"] - killed["checkpoint_read_s"] - killed["retry_prefill_s"]
+        + report["prefill_s"]
+    )  # fmt: skip
     return report | {
         **killed,
+        "restart_s": restart_s,
+        "resume_over_restart": killed["resume_s"] / restart_s,
         # the prefill a retry redoes even from a checkpoint at the kill: a late token costs more
         "prefill_share_after_kill": shape.prefill_flops(killed["killed_at_tokens"], prompt_tokens)
         / shape.prefill_flops(0, prompt_tokens),
@@ -213,7 +225,7 @@ def first_job(
         "eta_error_max": max(errors, default=None),
         "eta_error_median": sorted(errors)[len(errors) // 2] if errors else None,
         "eta_samples": len(errors),
-        "restart_s": one.updated_at - one.created_at,
+        "first_job_s": one.updated_at - one.created_at,
         "samples": samples,
     }
 

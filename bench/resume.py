@@ -53,11 +53,20 @@ def late_in_prefill(store: JobStore, job_id: str, share: float) -> JobRecord | N
 
 def resumed_from(home: Path, job_id: str) -> int:
     """Where rank 0 of the retry said it continued from (0: from the start)."""
-    pattern = re.compile(rf"job {job_id} rank 0: resuming from the checkpoint at (\d+) tokens")
+    return resume_read(home, job_id)[0]
+
+
+def resume_read(home: Path, job_id: str) -> tuple[int, float]:
+    """Where rank 0 of the retry said it continued from (0: from the start), and the seconds
+    its read of the checkpoint took (0 where it logged none)."""
+    pattern = re.compile(
+        rf"job {job_id} rank 0: resuming from the checkpoint at (\d+) tokens"
+        r"(?: \([\d.]+ GB read in ([\d.]+)s\))?"
+    )
     for log_path in (home / "logs").glob("*-rank0.log"):
         if found := pattern.search(log_path.read_text()):
-            return int(found.group(1))
-    return 0
+            return int(found.group(1)), float(found.group(2) or 0.0)
+    return 0, 0.0
 
 
 def run_jobs(model: str, document: str, every_tokens: int, kill_share: float, nodes: int) -> dict:

@@ -19,6 +19,8 @@ def test_a_long_document_is_paced_checkpointed_resumed_and_asked_again(monkeypat
     assert report["measured_peak_bytes"] <= report["predicted_peak_bytes"]
     assert report["eta_samples"] > 0
     assert 0 < report["resumed_from_tokens"] <= report["killed_at_tokens"]
+    assert report["checkpoint_read_s"] > 0
+    assert report["restart_s"] > report["resume_s"] > 0  # here a resume redoes less than all
     # a causal prompt's last fifth holds more than a fifth of its FLOPs
     assert 0.2 < report["prefill_share_after_kill"] < 0.5
     assert report["second_question_cached_tokens"] >= 0.99 * report["prompt_tokens"] - 64
