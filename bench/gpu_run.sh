@@ -7,6 +7,7 @@
 #                                     # 524288 on an H100), progress, resume, a second question
 #   bash bench/gpu_run.sh checkpoint-write  # one checkpoint segment's write: GPU->host, disk, /dev/shm
 #   bash bench/gpu_run.sh long-peak   # the Qwen2.5-1M shape's MLX peak, prefill and decode apart
+#   bash bench/gpu_run.sh join-memory # a batch join's peak against what the workload floor counts
 #   bash bench/gpu_run.sh workload    # the whole batch: ringq against mlx_lm.server, the floor
 #                                     # (WORKLOAD_ARGS="--sides engine_floor,mlx_lm_server": a subset)
 #   bash bench/gpu_run.sh demo        # ringq demo on one GPU; rank start profile
@@ -75,6 +76,10 @@ for part in "$@"; do
         timeout 240 python3 -m bench.probes.checkpoint_write --model random:qwen2.5-7b-1m \
           --tokens 16384 --home /tmp --busy-keys $keys --out "$out/checkpoint-write-probe-$keys.json"
       done
+      ;;
+    join-memory)  # a batch join's peak against what the workload floor counts, 8B shape
+      python3 -m bench.probes.join_memory --model $model --lengths 40000,12000,60000 \
+        --max-tokens 256 --chunk-tokens 16384 2>&1 | tee "$out/join-memory-probe.txt"
       ;;
     long-peak)
       python3 -m bench.probes.long_peak --model random:qwen2.5-7b-1m --tokens 131072,262144 \
