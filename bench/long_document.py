@@ -59,6 +59,8 @@ OUT = Path(__file__).parent / "results"
 TIMEOUT_S = 3600.0
 SAMPLE_S = 0.5
 IDEAL_SHARE = 0.6  # of the card's dense peak: the line a prefill is held to
+ETA_FROM_SHARE = 0.1  # ETA errors count from this share of the prompt on
+ETA_LAST_S = 1.0  # and not in the last second, where a relative error says nothing
 Phase = Callable[[dict[str, Any]], object]  # given the report so far
 
 
@@ -111,9 +113,9 @@ def eta_errors(samples: list[dict[str, Any]], prefill_end: float) -> list[float]
     errors = []
     for row in samples:
         left = prefill_end - row["t"]
-        if row["phase"] != "prefill" or row["eta_s"] is None or left < 1.0:
+        if row["phase"] != "prefill" or row["eta_s"] is None or left < ETA_LAST_S:
             continue
-        if row["processed"] >= 0.1 * row["total"] > 0:
+        if row["processed"] >= ETA_FROM_SHARE * row["total"] > 0:
             errors.append(abs(row["eta_s"] - left) / left)
     return errors
 

@@ -78,6 +78,21 @@ def floor(requests: list[Request], tokens: dict[str, list[int]], model: str) -> 
     }
 
 
+def kv_bytes_per_token(cache: list[Any]) -> int:
+    """A prefill cache's KV bytes per position, over all its layers."""
+    layer = cache[0]
+    return len(cache) * (layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2]
+
+
+def join_bytes(slots: int, rows: list[int], kv_bytes_per_token: int) -> int:
+    """The new buffers a batch of `slots` slots builds when a join leaves it holding `rows`
+    (each row's positions): slots doubled as needed, each as long as the longest row (rows are
+    aligned at their ends)."""
+    from ring_worker.engine.batch_cache import grown_slots
+
+    return grown_slots(slots, len(rows)) * max(rows) * kv_bytes_per_token
+
+
 class _Run:
     def __init__(self, engine: Any, decoder: Any, max_batch: int, tokenizer: Any):
         self.engine, self.decoder, self.max_batch = engine, decoder, max_batch
@@ -121,11 +136,7 @@ class _Run:
         result = self.engine.prefill(prompt, chunk, cache=cache)
         self.prefill_s += result.seconds
         self.prefill_tokens += len(prompt)
-        layer = result.cache[0]
-        self.kv_bytes_per_token = (
-            self.kv_bytes_per_token
-            or len(result.cache) * (layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2]
-        )
+        self.kv_bytes_per_token = self.kv_bytes_per_token or kv_bytes_per_token(result.cache)
         return result
 
     def _fits(self, positions: int) -> bool:
@@ -136,17 +147,14 @@ class _Run:
         still lives. What is in use is measured, with MLX's cache of freed buffers returned."""
         import mlx.core as mx
 
-        from ring_worker.engine.batch_cache import grown_slots
-
-        rows = len(self.held) + 1
-        longest = max([positions, *self.held.values()])
-        after = grown_slots(self.decoder.cache.slots, rows) * longest * self.kv_bytes_per_token
+        rows = [positions, *self.held.values()]
+        after = join_bytes(self.decoder.cache.slots, rows, self.kv_bytes_per_token)
         # CUDA frees asynchronously: wait, so the buffers freed so far are back before measuring
         # (a pool still holding them can fail a large allocation that the numbers say fits)
         mx.synchronize()
         mx.clear_cache()
         needed = mx.get_active_memory() + after + HEADROOM_BYTES
-        return rows <= self.max_batch and needed <= self.limit_bytes
+        return len(rows) <= self.max_batch and needed <= self.limit_bytes
 
     def _step(self) -> None:
         for result in self.decoder.step():

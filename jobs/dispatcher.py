@@ -111,7 +111,7 @@ class Dispatcher:
         if record.state != JobState.QUEUED:
             self.memory_waits.drop(job_id)
             return f"skipped ({record.state})"
-        if retry_waits(record, self.store.live_nodes(), self.settings):
+        if record.attempt and retry_waits(record, self.store.live_nodes(), self.settings):
             return self.wait(record, Wait(record.waiting_reason or "retrying"), again)
         job = self.prepare(record)
         cluster = self.read_cluster(record)

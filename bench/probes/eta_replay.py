@@ -14,12 +14,11 @@ from pathlib import Path
 
 import click
 
+from bench.long_document import ETA_FROM_SHARE, ETA_LAST_S
 from jobs.model_catalog import read_model_shape, resolve_model
-from ring_worker.engine.eta import PrefillPace
+from ring_worker.engine.eta import Cost, PrefillPace
 
 CHUNKS = re.compile(r"job (\w+): prefill chunks ended \(tokens:s\) ([\d.: ]+)")
-FROM_SHARE = 0.1  # errors count from this share of the prompt on
-LAST_S = 1.0  # and not in the last second, where a relative error says nothing
 
 
 def chunk_ends(text: str) -> list[tuple[str, list[tuple[int, float]]]]:
@@ -31,15 +30,17 @@ def chunk_ends(text: str) -> list[tuple[str, list[tuple[int, float]]]]:
     return found
 
 
-def replay(cost, points: list[tuple[int, float]]) -> list[float]:
-    """|estimate - real time left| / real time left at each chunk end from FROM_SHARE on."""
+def replay(cost: Cost, points: list[tuple[int, float]]) -> list[float]:
+    """|estimate - real time left| / real time left at each chunk end, counted by
+    bench.long_document's rule (from ETA_FROM_SHARE of the prompt on, not in its last
+    ETA_LAST_S)."""
     (start, _), (total, end_s) = points[0], points[-1]
     pace = PrefillPace(cost, start)
     errors = []
     for done, seconds in points[1:]:
         pace.add(done, seconds)
         left, estimate = end_s - seconds, pace.seconds_left(total)
-        if estimate is None or left < LAST_S or done - start < FROM_SHARE * (total - start):
+        if estimate is None or left < ETA_LAST_S or done - start < ETA_FROM_SHARE * (total - start):
             continue
         errors.append(abs(estimate - left) / left)
     return errors

@@ -22,8 +22,8 @@ import click
 def main(model: str, lengths: str, max_tokens: int, chunk_tokens: int) -> None:
     import mlx.core as mx
 
+    from bench.workload_floor import join_bytes, kv_bytes_per_token
     from jobs.model_catalog import resolve_model
-    from ring_worker.engine.batch_cache import grown_slots
     from ring_worker.engine.batch_decode import BatchDecoder, DecodeRequest
     from ring_worker.engine.engines import Engine
     from ring_worker.engine.models import load_for_this_device
@@ -33,11 +33,8 @@ def main(model: str, lengths: str, max_tokens: int, chunk_tokens: int) -> None:
     held: list[int] = []
     for row, length in enumerate(int(n) for n in lengths.split(",")):
         prefill = engine.prefill([1] * length, chunk_tokens)
-        layer = prefill.cache[0]
-        per_token = len(prefill.cache) * (layer.keys.nbytes + layer.values.nbytes)
-        per_token //= layer.keys.shape[2]
         held.append(length + max_tokens)
-        counted = grown_slots(decoder.cache.slots, len(held)) * max(held) * per_token
+        counted = join_bytes(decoder.cache.slots, held, kv_bytes_per_token(prefill.cache))
         mx.synchronize()
         mx.clear_cache()
         active = mx.get_active_memory()

@@ -190,7 +190,8 @@ class Snapshot:
 
 def read_segment(path: Path) -> tuple[list[KVCache], dict[str, str]]:
     """A segment file's layers' caches and its metadata (the shapes left out)."""
-    arrays, metadata = mx.load(str(path), return_metadata=True)  # type: ignore[misc]
+    loaded = mx.load(str(path), return_metadata=True)  # MLX types it as any of its forms
+    arrays, metadata = loaded if isinstance(loaded, tuple) else (None, None)
     if not (isinstance(arrays, dict) and isinstance(metadata, dict) and SHAPES in metadata):
         raise ValueError(f"{path} is not a checkpoint segment")
     shapes = [tuple(shape) for shape in json.loads(metadata.pop(SHAPES))]
